@@ -1,0 +1,26 @@
+"""Shared pytest setup: CPU by default, GPU tests skipped (with the reason) when no GPU is present."""
+
+import os
+
+# Eight virtual CPU devices so mesh tests can run anywhere; must be set before jax is imported.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_ENABLE_X64", "0")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+
+def _has_gpu() -> bool:
+    try:
+        return any(d.platform == "gpu" for d in jax.devices())
+    except RuntimeError:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if _has_gpu():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs an NVIDIA GPU; run on the device machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
