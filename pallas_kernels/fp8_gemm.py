@@ -1,0 +1,396 @@
+"""FP8 block-scaled GEMMs for Hopper in Pallas Mosaic GPU: the MoE experts' grouped GEMM and a dense one.
+
+Owns ``fp8_grouped_gemm`` (rows of ``x`` sorted by expert, weights ``[E, N, K]`` in HF's ``[out, in]``
+layout), ``fp8_gemm`` (the same kernel with one group) and the ``*_linear`` conveniences that quantize a
+bf16 activation first. Numerics follow DeepSeek-V3 / DeepGEMM: each 128-wide K block is multiplied on
+the tensor cores into a fresh fp32 accumulator, then promoted into the running fp32 sum with
+``x_scale[row, kb] * w_scale[nb, kb]`` applied on the CUDA cores, so the result equals
+dequantize-then-matmul up to fp32 rounding. No model knowledge here: arrays in, arrays out.
+
+Kernel shape: persistent CTAs (one per SM) walk (row tile, column tile) work items; each CTA runs three
+warpgroups, one issuing TMA loads (warp specialization) and two issuing wgmma. The B operand is the
+weight tile ``(N, K)`` read K-major, which is what FP8 wgmma requires. Row tiles never straddle two
+experts: the tile list is built outside the kernel (``_tile_metadata``) so each tile knows its expert
+and its valid row range, and the epilogue stores only those rows (a power-of-two ladder of TMA stores).
+Rows at or past ``sum(group_sizes)`` are written as zeros.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.fp8_quant import BLOCK, FP8_DTYPE, num_blocks, quantize_act
+
+_WG_M = 64  # rows per compute warpgroup (wgmma's M)
+_WG_N = 128  # columns per compute warpgroup: one 128-wide weight-scale block
+_BK = 128  # K per pipeline step: one scale block
+_NUM_COMPUTE_WGS = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8GemmConfig:
+    """Tiling of the kernel.
+
+    wg_split: how the two compute warpgroups share a CTA tile. ``"m"``: a 128x128 tile, each warpgroup
+      64 rows (prefill, many rows per expert). ``"n"``: a 64x256 tile, each warpgroup 128 columns
+      (decode: few rows per expert, so fewer wasted rows and more weight bytes per CTA).
+    max_concurrent_steps: TMA pipeline depth (K blocks in flight).
+    """
+
+    wg_split: str = "m"
+    max_concurrent_steps: int = 4
+
+    def __post_init__(self):
+        if self.wg_split not in ("m", "n"):
+            raise ValueError(f"wg_split must be 'm' or 'n', got {self.wg_split!r}")
+        if self.max_concurrent_steps < 1:
+            raise ValueError(f"max_concurrent_steps must be >= 1, got {self.max_concurrent_steps}")
+
+    @property
+    def tile_m(self) -> int:
+        return _WG_M * (_NUM_COMPUTE_WGS if self.wg_split == "m" else 1)
+
+    @property
+    def tile_n(self) -> int:
+        return _WG_N * (_NUM_COMPUTE_WGS if self.wg_split == "n" else 1)
+
+
+PREFILL_CONFIG = Fp8GemmConfig(wg_split="m", max_concurrent_steps=4)
+DECODE_CONFIG = Fp8GemmConfig(wg_split="n", max_concurrent_steps=6)
+
+
+def default_config(num_rows: int, num_groups: int) -> Fp8GemmConfig:
+    """Pick the prefill tiling when groups average at least 64 rows, the decode tiling otherwise."""
+    return PREFILL_CONFIG if num_rows >= 64 * num_groups else DECODE_CONFIG
+
+
+def _tile_metadata(group_sizes: jax.Array, num_rows: int, tile_m: int) -> tuple[jax.Array, int]:
+    """Row tiles that never straddle two groups.
+
+    Group ``E`` (one past the last expert) is the tail ``[sum(group_sizes), M)``, written as zeros.
+    Returns ``meta [4, T] int32`` with rows (group, tile_row0, lo, hi): the tile covers rows
+    ``[tile_row0, tile_row0 + tile_m)`` of which ``[lo, hi)`` belong to the group; ``hi == lo`` marks
+    an unused slot. ``T = cdiv(M, tile_m) + E`` is a static bound on the number of tiles.
+    """
+    e = group_sizes.shape[0]
+    gs = group_sizes.astype(jnp.int32)
+    ends = jnp.minimum(jnp.cumsum(gs), num_rows)
+    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+    total = ends[-1]
+    starts = jnp.concatenate([starts, total[None]])
+    ends = jnp.concatenate([ends, jnp.full((1,), num_rows, jnp.int32)])
+    first = starts // tile_m
+    ntiles = jnp.where(ends > starts, (ends + tile_m - 1) // tile_m - first, 0)
+    tile_end = jnp.cumsum(ntiles)
+    num_slots = -(-num_rows // tile_m) + e
+    t = jnp.arange(num_slots, dtype=jnp.int32)
+    g = jnp.minimum(jnp.searchsorted(tile_end, t, side="right"), e).astype(jnp.int32)
+    row0 = (first[g] + t - (tile_end[g] - ntiles[g])) * tile_m
+    valid = t < tile_end[-1]
+    lo = jnp.where(valid, jnp.maximum(starts[g], row0), 0)
+    hi = jnp.where(valid, jnp.minimum(ends[g], row0 + tile_m), 0)
+    row0 = jnp.where(valid, row0, 0)
+    return jnp.stack([g, row0, lo, hi]).astype(jnp.int32), num_slots
+
+
+def _num_sms() -> int:
+    dev = jax.devices()[0]
+    return getattr(dev, "core_count", None) or 132
+
+
+def _kernel_body(
+    meta_gmem,
+    ws_gmem,
+    x_gmem,
+    xs_gmem,
+    w_gmem,
+    out_gmem,
+    *,
+    cfg: Fp8GemmConfig,
+    num_experts: int,
+    num_slots: int,
+    n_tiles: int,
+    k_steps: int,
+):
+    tm, tn = cfg.tile_m, cfg.tile_n
+    out_dtype = out_gmem.dtype
+    swizzle = 128  # 128 fp8 bytes per K row of a tile
+    fp8_tf = (plgpu.TilingTransform((8, swizzle)), plgpu.SwizzleTransform(swizzle))
+
+    def make_pipeline(step, ctx):
+        return plgpu.emit_pipeline_warp_specialized(
+            step,
+            grid=(k_steps,),
+            memory_registers=40,
+            in_specs=[
+                plgpu.BlockSpec((tm, _BK), lambda k: (0, k), transforms=fp8_tf),
+                plgpu.BlockSpec((tn, _BK), lambda k: (0, k), transforms=fp8_tf),
+                plgpu.BlockSpec((1, tm), lambda k: (k, 0)),
+            ],
+            wg_axis="wg",
+            num_compute_wgs=_NUM_COMPUTE_WGS,
+            max_concurrent_steps=cfg.max_concurrent_steps,
+            compute_context=ctx,
+        )
+
+    ignore = lambda *_, **__: None
+
+    @functools.partial(
+        pl.run_scoped,
+        allocs=make_pipeline(ignore, ignore).get_allocations(x_gmem, w_gmem.at[0], xs_gmem),
+        out_smem=plgpu.SMEM((_NUM_COMPUTE_WGS, _WG_M, _WG_N), out_dtype),
+        collective_axes="wg",
+    )
+    def _scope(allocs, out_smem):
+        wg = lax.axis_index("wg")
+
+        @plgpu.nd_loop((num_slots * n_tiles,), collective_axes="sm")
+        def _work(info: plgpu.NDLoopInfo):
+            (lin,) = info.index
+            mi = lin // n_tiles
+            ni = lin % n_tiles
+            g = meta_gmem[0, mi]
+            row0 = meta_gmem[1, mi]
+            lo = meta_gmem[2, mi]
+            hi = meta_gmem[3, mi]
+            if cfg.wg_split == "m":
+                wg_rows = pl.ds(wg * _WG_M, _WG_M)
+                wg_row0 = row0 + wg * _WG_M
+                n_blk = ni
+                col0 = ni * tn
+            else:
+                wg_rows = pl.ds(0, _WG_M)
+                wg_row0 = row0
+                n_blk = ni * _NUM_COMPUTE_WGS + wg
+                col0 = ni * tn + wg * _WG_N
+
+            def store(acc):
+                """Write this warpgroup's valid rows of the tile (a ladder of power-of-two TMA stores)."""
+                o_smem = out_smem.at[wg]
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # last tile's stores done reading
+                o_smem[...] = acc.astype(out_dtype)
+                plgpu.commit_smem()
+                r_lo = jnp.clip(lo - wg_row0, 0, _WG_M)
+                size = jnp.clip(hi - wg_row0, 0, _WG_M) - r_lo
+                start = r_lo
+                p = _WG_M
+                while p >= 1:
+
+                    @pl.when((size & p) != 0)
+                    def _(start=start, p=p):
+                        plgpu.copy_smem_to_gmem(
+                            o_smem.at[pl.ds(start, p)],
+                            out_gmem.at[pl.ds(wg_row0 + start, p), pl.ds(col0, _WG_N)],
+                        )
+
+                    start = start + (size & p)
+                    p //= 2
+
+            @pl.when((hi > lo) & (g < num_experts))
+            def _matmul():
+                def ctx(eval_pipeline):
+                    acc0 = plgpu.layout_cast(
+                        jnp.full((_WG_M, _WG_N), 0, dtype=jnp.float32), plgpu.Layout.WGMMA
+                    )
+                    store(eval_pipeline(acc0))
+
+                def step(idxs, x_smem, w_smem, xs_smem, acc):
+                    (k,) = idxs
+                    if cfg.wg_split == "m":
+                        b = w_smem.transpose((1, 0))
+                    else:
+                        b = w_smem.at[pl.ds(wg * _WG_N, _WG_N)].transpose((1, 0))
+
+                    def block_product(acc_ref):
+                        plgpu.wgmma(acc_ref, x_smem.at[wg_rows], b)
+                        return acc_ref[...]
+
+                    part = pl.run_scoped(block_product, plgpu.ACC((_WG_M, _WG_N), jnp.float32))
+                    x_scale = plgpu.load(xs_smem.at[0, wg_rows], layout=plgpu.Layout.WGMMA.reduce(1))
+                    scale = x_scale * ws_gmem[g, n_blk, k]
+                    return acc + part * lax.broadcast_in_dim(scale, (_WG_M, _WG_N), [0])
+
+                make_pipeline(step, ctx)(
+                    x_gmem.at[pl.ds(row0, tm), :],
+                    w_gmem.at[g, pl.ds(ni * tn, tn), :],
+                    xs_gmem.at[:, pl.ds(row0, tm)],
+                    allocations=allocs,
+                )
+
+            @pl.when((hi > lo) & (g == num_experts) & (wg < _NUM_COMPUTE_WGS))
+            def _zero_tail():
+                store(plgpu.layout_cast(jnp.full((_WG_M, _WG_N), 0, dtype=jnp.float32), plgpu.Layout.WGMMA))
+
+        plgpu.wait_smem_to_gmem(0)
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def _pad_axis(x: jax.Array, axis: int, size: int) -> jax.Array:
+    if x.shape[axis] == size:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, widths)
+
+
+def _check_inputs(x_fp8, x_scale, w_fp8, w_scale, group_sizes) -> None:
+    if x_fp8.ndim != 2 or x_fp8.dtype != FP8_DTYPE:
+        raise ValueError(f"x_fp8 must be [M, K] float8_e4m3fn, got {x_fp8.shape} {x_fp8.dtype}")
+    if w_fp8.ndim != 3 or w_fp8.dtype != FP8_DTYPE:
+        raise ValueError(f"w_fp8 must be [E, N, K] float8_e4m3fn, got {w_fp8.shape} {w_fp8.dtype}")
+    m, k = x_fp8.shape
+    e, n, k2 = w_fp8.shape
+    if k != k2:
+        raise ValueError(f"K mismatch: x_fp8 {x_fp8.shape} vs w_fp8 {w_fp8.shape}")
+    if x_scale.shape != (m, num_blocks(k)):
+        raise ValueError(f"x_scale must be {(m, num_blocks(k))} for x_fp8 {x_fp8.shape}, got {x_scale.shape}")
+    want_ws = (e, num_blocks(n), num_blocks(k))
+    if w_scale.shape != want_ws:
+        raise ValueError(f"w_scale must be {want_ws} for w_fp8 {w_fp8.shape}, got {w_scale.shape}")
+    if group_sizes.shape != (e,) or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        raise ValueError(f"group_sizes must be integer [{e}], got {group_sizes.shape} {group_sizes.dtype}")
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))
+def fp8_grouped_gemm(
+    x_fp8: jax.Array,
+    x_scale: jax.Array,
+    w_fp8: jax.Array,
+    w_scale: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    out_dtype: jnp.dtype = jnp.bfloat16,
+    config: Fp8GemmConfig | None = None,
+    interpret: bool | None = None,
+) -> jax.Array:
+    """Grouped FP8 GEMM: ``out[r] = x[r] @ w[e(r)].T`` with DeepSeek block scales.
+
+    Args:
+      x_fp8: ``[M, K]`` float8_e4m3fn, rows sorted by group (expert).
+      x_scale: ``[M, ceil(K/128)]`` float32 per-token, per-128-channel scales.
+      w_fp8: ``[E, N, K]`` float8_e4m3fn (HF ``[out, in]`` per expert).
+      w_scale: ``[E, ceil(N/128), ceil(K/128)]`` float32 (HF ``weight_scale_inv``).
+      group_sizes: ``[E]`` int rows per group; rows at or past the sum are output as zeros.
+      out_dtype: output dtype.
+      config: tiling; by default picked from the average rows per group.
+      interpret: run in Pallas GPU interpret mode; by default when the backend is not a GPU.
+
+    Returns:
+      ``[M, N]`` in ``out_dtype``.
+    """
+    _check_inputs(x_fp8, x_scale, w_fp8, w_scale, group_sizes)
+    m, k = x_fp8.shape
+    e, n, _ = w_fp8.shape
+    out_dtype = jnp.dtype(out_dtype)
+    if m == 0:
+        return jnp.zeros((0, n), out_dtype)
+    cfg = config or default_config(m, e)
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+
+    # Pad only odd shapes (DeepSeek's are all multiples of 128): K to a whole scale block, N to a
+    # whole tile, M to at least one tile. Padding is zeros, which adds nothing to the products.
+    kp, np_ = _round_up(k, _BK), _round_up(n, cfg.tile_n)
+    mp = max(m, cfg.tile_m)
+    x = _pad_axis(_pad_axis(x_fp8, 1, kp), 0, mp)
+    w = _pad_axis(w_fp8, 1, np_) if np_ != n else w_fp8
+    w = _pad_axis(w, 2, kp)
+    ws = _pad_axis(w_scale.astype(jnp.float32), 1, np_ // _WG_N)
+    # Scales transposed to [Kb, M] so one TMA copy brings a K block's scales for a whole row tile.
+    xs = _pad_axis(x_scale.astype(jnp.float32).T, 1, _round_up(mp, cfg.tile_m))
+    meta, num_slots = _tile_metadata(group_sizes, mp, cfg.tile_m)
+    # Padding rows (mp > m) belong to the zero tail: the group sizes still sum to at most m.
+
+    n_tiles = np_ // cfg.tile_n
+    k_steps = kp // _BK
+    body = functools.partial(
+        _kernel_body,
+        cfg=cfg,
+        num_experts=e,
+        num_slots=num_slots,
+        n_tiles=n_tiles,
+        k_steps=k_steps,
+    )
+    kernel = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((mp, np_), out_dtype),
+        grid=(2 if interpret else _num_sms(),),
+        grid_names=("sm",),
+        num_threads=_NUM_COMPUTE_WGS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )
+    out = kernel(meta, ws, x, xs, w)
+    return out[:m, :n]
+
+
+def fp8_gemm(
+    x_fp8: jax.Array,
+    x_scale: jax.Array,
+    w_fp8: jax.Array,
+    w_scale: jax.Array,
+    *,
+    out_dtype: jnp.dtype = jnp.bfloat16,
+    config: Fp8GemmConfig | None = None,
+    interpret: bool | None = None,
+) -> jax.Array:
+    """Dense FP8 GEMM ``x [M, K] @ w [N, K].T`` with block scales (the grouped kernel, one group)."""
+    if w_fp8.ndim != 2:
+        raise ValueError(f"w_fp8 must be [N, K], got shape {w_fp8.shape}")
+    if w_scale.ndim != 2:
+        raise ValueError(f"w_scale must be [ceil(N/128), ceil(K/128)], got shape {w_scale.shape}")
+    m = x_fp8.shape[0]
+    return fp8_grouped_gemm(
+        x_fp8,
+        x_scale,
+        w_fp8[None],
+        w_scale[None],
+        jnp.full((1,), m, jnp.int32),
+        out_dtype=out_dtype,
+        config=config or PREFILL_CONFIG,
+        interpret=interpret,
+    )
+
+
+def fp8_linear(
+    x: jax.Array,
+    w_fp8: jax.Array,
+    w_scale: jax.Array,
+    *,
+    out_dtype: jnp.dtype | None = None,
+    interpret: bool | None = None,
+) -> jax.Array:
+    """A linear layer of an FP8 checkpoint: quantize ``x [..., K]`` (1x128 groups), then :func:`fp8_gemm`."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    xq, xs = quantize_act(x.reshape(-1, k), block=BLOCK)
+    out = fp8_gemm(xq, xs, w_fp8, w_scale, out_dtype=out_dtype or x.dtype, interpret=interpret)
+    return out.reshape(*lead, w_fp8.shape[0])
+
+
+def fp8_grouped_linear(
+    x: jax.Array,
+    w_fp8: jax.Array,
+    w_scale: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    out_dtype: jnp.dtype | None = None,
+    config: Fp8GemmConfig | None = None,
+    interpret: bool | None = None,
+) -> jax.Array:
+    """Experts' GEMM from bf16 rows sorted by expert: quantize ``x [M, K]``, then :func:`fp8_grouped_gemm`."""
+    xq, xs = quantize_act(x, block=BLOCK)
+    return fp8_grouped_gemm(
+        xq, xs, w_fp8, w_scale, group_sizes, out_dtype=out_dtype or x.dtype, config=config,
+        interpret=interpret,
+    )
