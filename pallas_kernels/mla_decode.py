@@ -1,0 +1,313 @@
+"""Pallas Mosaic GPU kernel: absorbed MLA attention over a paged latent cache (decode, MTP verify).
+
+Owns `mla_decode` and the paged-attention kernel core that `mla_prefill.py` reuses. Semantics are
+those of `mla_reference.py` (read its docstring for the cache layout).
+
+Kernel design (Hopper, one CTA = three warpgroups):
+- Rows are (query token, head) pairs, row = j * H + h, tiled by 64 (one wgmma M). The 64x576 query tile
+  (latent ++ rope, concatenated outside the kernel) sits in shared memory for the whole CTA.
+- Warpgroup 2 is the producer: it TMA-loads one 64-token page [64, 576] per step into a two-slot ring,
+  reading the physical page id from `block_table` in global memory.
+- Warpgroups 0 and 1 are consumers sharing the 64-row tile: each computes the full score tile
+  S = Q K^T (64x64, K=576) and the online softmax, and accumulates its own half (256 columns) of
+  O = P V where V is the first 512 columns of the same page (so the cache is read once). A 64x512
+  fp32 accumulator would need 256 registers per thread; two halves of 128 fit.
+- Split-KV: the grid is (batch, row tile, split); split s takes an equal share of the tile's pages.
+  Partial outputs and their log-sum-exp are merged with a small `jnp` combine.
+- Causality and raggedness are a per-row limit: row (j, h) attends to positions
+  < min(q_start + 1 + j, kv_len); each tile only visits pages below its last row's limit.
+
+Interpret mode (CPU tests): the GPU interpreter cannot take a wgmma A operand from registers nor run
+`pl.run_state` accumulators, so under `interpret=True` the P tile is staged through shared memory and
+the P V product is added to the carried accumulator as a value. Everything else is the same code.
+
+Known cost of this design: the two consumers both compute S (QK is ~53% of the FLOPs), so the kernel
+does ~1.5x the necessary tensor work; FlashMLA avoids that by exchanging P between warpgroups.
+"""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.mla_reference import KV_DIM, LATENT_DIM, _as_4d, check_cache_args
+
+BLOCK_ROWS = 64  # rows (token, head) per tile: one wgmma M
+PAGE_SIZE = 64  # tokens per cache page = KV block per pipeline step
+HALF = LATENT_DIM // 2  # output columns per consumer warpgroup
+NUM_SLOTS = 2  # pipeline depth: 72 KiB Q + 2 x 72 KiB pages fills the 227 KiB of shared memory
+DEFAULT_NUM_SMS = 132  # H100/H200 SXM
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
+_M_INIT = -1e30  # finite so that rows with nothing to attend to in a split give 0, not NaN
+
+
+def choose_num_splits(batch: int, row_tiles: int, max_pages: int, num_sms: int = DEFAULT_NUM_SMS) -> int:
+    """Splits of the KV length so that batch * tiles * splits roughly fills the GPU once."""
+    programs = batch * row_tiles
+    return max(1, min(num_sms // max(programs, 1), pl.cdiv(max_pages, 2)))
+
+
+def _kernel(
+    q_ref, kv_ref, bt_ref, qstart_ref, kvlen_ref,  # inputs (GMEM)
+    out_ref, lse_ref,  # outputs (GMEM)
+    q_smem, k_smem, lse_smem, p_smem, q_bar, k_bars, consumed_bars, done_bar,  # scratch
+    *, num_heads: int, num_queries: int, num_splits: int, softmax_scale: float, interpret: bool,
+):
+    b = lax.axis_index("b")
+    tile = lax.axis_index("t")
+    split = lax.axis_index("s")
+    wg = lax.axis_index("wg")
+    row0 = tile * BLOCK_ROWS
+    q_start = qstart_ref[b]
+    kv_len = kvlen_ref[b]
+
+    # Pages this CTA visits: the tile's last real token bounds the causal range.
+    last_tok = jnp.minimum((row0 + BLOCK_ROWS - 1) // num_heads, num_queries - 1)
+    tile_end = jnp.minimum(kv_len, q_start + 1 + last_tok)
+    n_blocks = pl.cdiv(tile_end, PAGE_SIZE)
+    per_split = pl.cdiv(n_blocks, num_splits)
+    blk_lo = jnp.minimum(split * per_split, n_blocks)
+    n_steps = jnp.minimum(blk_lo + per_split, n_blocks) - blk_lo
+
+    @pl.when(wg == 2)
+    def _producer():
+        plgpu.set_max_registers(40, action="decrease")
+        plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, BLOCK_ROWS)], q_smem, q_bar.at[0])
+
+        @pl.loop(0, n_steps)
+        def _load(i):
+            slot = lax.rem(i, NUM_SLOTS)
+
+            @pl.when(i >= NUM_SLOTS)
+            def _():
+                plgpu.barrier_wait(consumed_bars.at[slot])
+
+            page = bt_ref[b, blk_lo + i]
+            plgpu.copy_gmem_to_smem(kv_ref.at[page], k_smem.at[slot], k_bars.at[slot])
+
+    def consumer(half: int):
+        plgpu.set_max_registers(232, action="increase")
+        plgpu.barrier_wait(q_bar.at[0])
+        scale2 = softmax_scale * _LOG2E
+        rows = row0 + plgpu.broadcasted_iota(jnp.int32, (BLOCK_ROWS, PAGE_SIZE), 0, layout=plgpu.Layout.WGMMA)
+        limit = jnp.minimum(q_start + 1 + rows // num_heads, kv_len)
+
+        def step(i, carry):
+            acc, m_i, l_i = carry
+            slot = lax.rem(i, NUM_SLOTS)
+            plgpu.barrier_wait(k_bars.at[slot])
+
+            def qk(s_ref):
+                plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].T)
+                return s_ref[...]
+
+            s = pl.run_scoped(qk, plgpu.ACC((BLOCK_ROWS, PAGE_SIZE), jnp.float32))
+            pos = (blk_lo + i) * PAGE_SIZE + plgpu.broadcasted_iota(
+                jnp.int32, (BLOCK_ROWS, PAGE_SIZE), 1, layout=plgpu.Layout.WGMMA
+            )
+            s = jnp.where(pos < limit, s * scale2, -jnp.inf)
+            m_new = jnp.maximum(m_i, s.max(axis=1))
+            alpha = jnp.exp2(m_i - m_new)
+            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+            l_i = l_i * alpha + p.sum(axis=1)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            p16 = p.astype(k_smem.dtype)
+            v = k_smem.at[slot, :, pl.ds(half * HALF, HALF)]
+            if interpret:
+                p_smem.at[half][...] = p16
+                plgpu.commit_smem()
+
+                def pv(o_ref):
+                    plgpu.wgmma(o_ref, p_smem.at[half], v)
+                    return o_ref[...]
+
+                acc = acc + pl.run_scoped(pv, plgpu.ACC((BLOCK_ROWS, HALF), jnp.float32))
+            else:
+                acc = pl.run_state(lambda o_ref: plgpu.wgmma(o_ref, p16, v))(plgpu.ACC.init(acc))
+            plgpu.barrier_arrive(consumed_bars.at[slot])
+            return acc, m_new, l_i
+
+        acc = plgpu.layout_cast(jnp.zeros((BLOCK_ROWS, HALF), jnp.float32), plgpu.Layout.WGMMA)
+        m_i = plgpu.layout_cast(jnp.full((BLOCK_ROWS,), _M_INIT, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        l_i = plgpu.layout_cast(jnp.zeros((BLOCK_ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        acc, m_i, l_i = lax.fori_loop(0, n_steps, step, (acc, m_i, l_i))
+
+        # Both consumers must be done reading the Q tile before it is reused to stage the output.
+        plgpu.barrier_arrive(done_bar)
+        plgpu.barrier_wait(done_bar)
+        empty = l_i == 0.0
+        l_safe = jnp.where(empty, 1.0, l_i)
+        out = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
+        out_smem = q_smem.at[:, pl.ds(half * HALF, HALF)]
+        out_smem[...] = out.astype(q_smem.dtype)
+        if half == 0:
+            lse_smem[...] = jnp.where(empty, -jnp.inf, (m_i + jnp.log2(l_safe)) * _LN2)
+        plgpu.commit_smem()
+        # A column half of the tiled tile is not contiguous; each 8-row group of it is (8x64 tiles).
+        for r in range(0, BLOCK_ROWS, 8):
+            plgpu.copy_smem_to_gmem(
+                q_smem.at[pl.ds(r, 8), pl.ds(half * HALF, HALF)],
+                out_ref.at[b, split, pl.ds(row0 + r, 8), pl.ds(half * HALF, HALF)],
+            )
+        if half == 0:
+            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, split, pl.ds(row0, BLOCK_ROWS)])
+        plgpu.wait_smem_to_gmem(0)
+
+    pl.when(wg == 0)(functools.partial(consumer, 0))
+    pl.when(wg == 1)(functools.partial(consumer, 1))
+
+
+def _combine(out_parts: jax.Array, lse_parts: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+    """Merge split-KV partials [B, S, R, 512] / [B, S, R] with their log-sum-exp."""
+    lse_max = jnp.max(lse_parts, axis=1, keepdims=True)
+    lse_max = jnp.where(jnp.isfinite(lse_max), lse_max, 0.0)
+    w = jnp.exp(lse_parts - lse_max)  # [B, S, R]; 0 for empty splits
+    total = jnp.sum(w, axis=1)
+    lse = jnp.where(total > 0, jnp.log(total) + lse_max[:, 0], -jnp.inf)
+    out = jnp.einsum("bsr,bsrc->brc", w, out_parts.astype(jnp.float32))
+    out = out / jnp.where(total > 0, total, 1.0)[..., None]
+    return out.astype(dtype), lse
+
+
+def paged_mla_partials(
+    q_latent: jax.Array,
+    q_rope: jax.Array,
+    kv_pages: jax.Array,
+    block_table: jax.Array,
+    q_start: jax.Array,
+    kv_len: jax.Array,
+    *,
+    softmax_scale: float,
+    num_splits: int | None = None,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """Runs the kernel; returns the raw split partials out [B, S, R_pad, 512] and lse [B, S, R_pad] with
+    rows R = Q * H padded to a multiple of 64 (every element is written, padding rows included)."""
+    bsz, nq, nh, _ = q_latent.shape
+    check_cache_args(kv_pages, block_table, bsz)
+    if kv_pages.shape[1] != PAGE_SIZE:
+        raise ValueError(f"the Pallas kernel needs page_size {PAGE_SIZE}, got kv_pages {kv_pages.shape}")
+    if q_latent.dtype not in (jnp.bfloat16, jnp.float16) or kv_pages.dtype != q_latent.dtype:
+        raise ValueError(
+            f"q_latent, q_rope and kv_pages must share a 16-bit float dtype, got {q_latent.dtype}, "
+            f"{q_rope.dtype}, {kv_pages.dtype}"
+        )
+    rows = nq * nh
+    row_tiles = pl.cdiv(rows, BLOCK_ROWS)
+    if num_splits is None:
+        num_splits = choose_num_splits(bsz, row_tiles, block_table.shape[1])
+    q = jnp.concatenate([q_latent, q_rope.astype(q_latent.dtype)], axis=-1).reshape(bsz, rows, KV_DIM)
+    q = jnp.pad(q, ((0, 0), (0, row_tiles * BLOCK_ROWS - rows), (0, 0)))
+
+    tiling = plgpu.TilingTransform((8, 64))
+    swizzle = plgpu.SwizzleTransform(128)
+    dtype = q.dtype
+    scratch = dict(
+        q_smem=plgpu.SMEM((BLOCK_ROWS, KV_DIM), dtype, transforms=(tiling, swizzle)),
+        k_smem=plgpu.SMEM((NUM_SLOTS, PAGE_SIZE, KV_DIM), dtype, transforms=(tiling, swizzle)),
+        lse_smem=plgpu.SMEM((BLOCK_ROWS,), jnp.float32),
+        # Only interpret mode stages P through shared memory (see the module docstring).
+        p_smem=(
+            plgpu.SMEM((2, BLOCK_ROWS, PAGE_SIZE), dtype, transforms=(tiling, swizzle)) if interpret else None
+        ),
+        q_bar=plgpu.Barrier(num_barriers=1),
+        k_bars=plgpu.Barrier(num_barriers=NUM_SLOTS),
+        consumed_bars=plgpu.Barrier(num_arrivals=2, num_barriers=NUM_SLOTS),
+        done_bar=plgpu.Barrier(num_arrivals=2),
+    )
+    body = functools.partial(
+        _kernel, num_heads=nh, num_queries=nq, num_splits=num_splits,
+        softmax_scale=float(softmax_scale), interpret=bool(interpret),
+    )
+
+    names = [k for k, v in scratch.items() if v is not None]
+
+    def entry(*refs):
+        def scoped(*allocs):
+            bufs = dict.fromkeys(scratch) | dict(zip(names, allocs))
+            body(*refs, **bufs)
+
+        pl.run_scoped(scoped, *(scratch[k] for k in names), collective_axes="wg")
+
+    out_parts, lse_parts = plgpu.kernel(
+        entry,
+        out_type=(
+            jax.ShapeDtypeStruct((bsz, num_splits, row_tiles * BLOCK_ROWS, LATENT_DIM), dtype),
+            jax.ShapeDtypeStruct((bsz, num_splits, row_tiles * BLOCK_ROWS), jnp.float32),
+        ),
+        grid=(bsz, row_tiles, num_splits),
+        grid_names=("b", "t", "s"),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        # Interpret mode fills outputs and scratch with NaN first, so an unwritten element shows up.
+        interpret=plgpu.InterpretGPUParams(uninitialized_memory="nan") if interpret else None,
+    )(q, kv_pages, block_table.astype(jnp.int32), q_start.astype(jnp.int32), kv_len.astype(jnp.int32))
+    return out_parts, lse_parts
+
+
+def paged_mla_attention(
+    q_latent: jax.Array,
+    q_rope: jax.Array,
+    kv_pages: jax.Array,
+    block_table: jax.Array,
+    q_start: jax.Array,
+    kv_len: jax.Array,
+    *,
+    softmax_scale: float,
+    num_splits: int | None = None,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """Kernel core shared by decode and prefill; q_* are [B, Q, H, D]; semantics of
+    `mla_reference.paged_attention_reference`. Returns out [B, Q, H, 512] and lse [B, Q, H]."""
+    bsz, nq, nh, _ = q_latent.shape
+    rows = nq * nh
+    out_parts, lse_parts = paged_mla_partials(
+        q_latent, q_rope, kv_pages, block_table, q_start, kv_len,
+        softmax_scale=softmax_scale, num_splits=num_splits, interpret=interpret,
+    )
+    dtype = out_parts.dtype
+    if out_parts.shape[1] == 1:
+        out, lse = out_parts[:, 0], lse_parts[:, 0]
+    else:
+        out, lse = _combine(out_parts, lse_parts, dtype)
+    out = out[:, :rows].reshape(bsz, nq, nh, LATENT_DIM)
+    lse = lse[:, :rows].reshape(bsz, nq, nh)
+    return out, lse
+
+
+@functools.partial(jax.jit, static_argnames=("softmax_scale", "num_splits", "interpret"))
+def mla_decode(
+    q_latent: jax.Array,
+    q_rope: jax.Array,
+    kv_pages: jax.Array,
+    block_table: jax.Array,
+    seq_lens: jax.Array,
+    *,
+    softmax_scale: float,
+    interpret: bool = False,
+    num_splits: int | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Absorbed MLA decode over a paged latent cache (Pallas Mosaic GPU).
+
+    Same contract as `mla_reference.mla_decode_reference`: q_latent [B, H, 512] or [B, Q, H, 512] (Q
+    newest tokens, causal among themselves), q_rope [..., 64], kv_pages [num_pages, 64, 576],
+    block_table [B, max_pages] int32, seq_lens [B] int32 (>= Q, counting the Q new tokens).
+    Returns out shaped like q_latent in q's dtype and lse [B, (Q,) H] float32 (natural log).
+    `num_splits` overrides the split-KV heuristic; `interpret=True` runs the GPU interpreter on CPU.
+    With splits > 1 the partial outputs are kept in q's dtype before the fp32 combine.
+    """
+    q_latent, q_rope, squeeze = _as_4d(q_latent, q_rope)
+    seq_lens = seq_lens.astype(jnp.int32)
+    out, lse = paged_mla_attention(
+        q_latent, q_rope, kv_pages, block_table, seq_lens - q_latent.shape[1], seq_lens,
+        softmax_scale=softmax_scale, num_splits=num_splits, interpret=interpret,
+    )
+    if squeeze:
+        out, lse = out[:, 0], lse[:, 0]
+    return out, lse

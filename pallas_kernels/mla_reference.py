@@ -1,0 +1,151 @@
+"""Plain-`jnp` references for absorbed MLA attention over a paged latent cache.
+
+Owns the semantics that the Pallas kernels in `mla_decode.py` and `mla_prefill.py` must match; the
+kernels' tests and benchmarks compare against these. Nothing here is GPU specific.
+
+Cache layout (shared with the kernels): `kv_pages [num_pages, page_size, 576]`, per token the 512-wide
+latent `c` followed by the 64-wide shared `k_rope`. `block_table [B, max_pages] int32` maps a
+sequence's logical page `i` (positions `i*page_size ... (i+1)*page_size - 1`) to a physical page.
+Scores are `q_latent . c + q_rope . k_rope`, values are `c`; the output is the attention-weighted latent
+(before W_uv) and `lse` is the natural-log log-sum-exp of the scaled scores.
+
+Cache slots past a sequence's length may hold any *finite* value: they are masked out of the softmax,
+but a NaN there would still reach the output through `0 * NaN`.
+"""
+
+import jax
+import jax.numpy as jnp
+
+LATENT_DIM = 512
+ROPE_DIM = 64
+KV_DIM = LATENT_DIM + ROPE_DIM
+
+
+def _as_4d(q_latent: jax.Array, q_rope: jax.Array) -> tuple[jax.Array, jax.Array, bool]:
+    """[B, H, D] -> [B, 1, H, D]; returns whether the input was 3-D."""
+    if q_latent.ndim != q_rope.ndim or q_latent.ndim not in (3, 4):
+        raise ValueError(
+            f"q_latent/q_rope must both be [B, H, D] or [B, Q, H, D], got {q_latent.shape} and {q_rope.shape}"
+        )
+    squeeze = q_latent.ndim == 3
+    if squeeze:
+        q_latent, q_rope = q_latent[:, None], q_rope[:, None]
+    if q_latent.shape[-1] != LATENT_DIM or q_rope.shape[-1] != ROPE_DIM:
+        raise ValueError(
+            f"q_latent last dim must be {LATENT_DIM} and q_rope's {ROPE_DIM}, got {q_latent.shape}, "
+            f"{q_rope.shape}"
+        )
+    if q_latent.shape[:-1] != q_rope.shape[:-1]:
+        raise ValueError(f"q_latent {q_latent.shape} and q_rope {q_rope.shape} disagree before the last dim")
+    return q_latent, q_rope, squeeze
+
+
+def check_cache_args(kv_pages: jax.Array, block_table: jax.Array, batch: int) -> None:
+    """Shape checks shared by references and kernels."""
+    if kv_pages.ndim != 3 or kv_pages.shape[-1] != KV_DIM:
+        raise ValueError(f"kv_pages must be [num_pages, page_size, {KV_DIM}], got {kv_pages.shape}")
+    if block_table.ndim != 2 or block_table.shape[0] != batch:
+        raise ValueError(f"block_table must be [B={batch}, max_pages], got {block_table.shape}")
+
+
+def paged_attention_reference(
+    q_latent: jax.Array,
+    q_rope: jax.Array,
+    kv_pages: jax.Array,
+    block_table: jax.Array,
+    q_start: jax.Array,
+    kv_len: jax.Array,
+    *,
+    softmax_scale: float,
+) -> tuple[jax.Array, jax.Array]:
+    """Core of both references: query j of sequence b sits at absolute position q_start[b] + j and
+    attends to positions p with p <= q_start[b] + j and p < kv_len[b]. q_* are [B, Q, H, D].
+
+    Matmuls run in the input dtype with fp32 accumulation (pass fp32 inputs for an fp32 reference).
+    """
+    b, nq, _, _ = q_latent.shape
+    page_size = kv_pages.shape[1]
+    kv = kv_pages[block_table].reshape(b, -1, KV_DIM)  # [B, S_max, 576], gathered pages
+    scores = jnp.einsum("bqhc,bsc->bqhs", q_latent, kv[..., :LATENT_DIM], preferred_element_type=jnp.float32)
+    scores += jnp.einsum("bqhr,bsr->bqhs", q_rope, kv[..., LATENT_DIM:], preferred_element_type=jnp.float32)
+    scores *= softmax_scale
+    pos = jnp.arange(block_table.shape[1] * page_size)
+    limit = jnp.minimum(q_start[:, None] + 1 + jnp.arange(nq)[None, :], kv_len[:, None])  # [B, Q]
+    mask = pos[None, None, :] < limit[:, :, None]  # [B, Q, S]
+    scores = jnp.where(mask[:, :, None, :], scores, -jnp.inf)
+    lse = jax.nn.logsumexp(scores, axis=-1)  # [B, Q, H]
+    probs = jnp.exp(scores - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None])
+    out = jnp.einsum(
+        "bqhs,bsc->bqhc", probs.astype(kv.dtype), kv[..., :LATENT_DIM], preferred_element_type=jnp.float32
+    )
+    return out.astype(q_latent.dtype), lse
+
+
+def mla_decode_reference(
+    q_latent: jax.Array,
+    q_rope: jax.Array,
+    kv_pages: jax.Array,
+    block_table: jax.Array,
+    seq_lens: jax.Array,
+    *,
+    softmax_scale: float,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """Absorbed MLA decode: the Q newest tokens of each sequence (already in the cache) attend causally.
+
+    q_latent [B, H, 512] or [B, Q, H, 512]; q_rope likewise with 64; seq_lens [B] counts the cached
+    tokens including the Q new ones (so seq_lens >= Q). Query j attends to positions
+    < seq_lens - Q + 1 + j. Returns out shaped like q_latent (q's dtype) and lse [B, H] / [B, Q, H]
+    float32. `interpret` exists only to share the kernel's signature and is ignored.
+    """
+    del interpret
+    q_latent, q_rope, squeeze = _as_4d(q_latent, q_rope)
+    check_cache_args(kv_pages, block_table, q_latent.shape[0])
+    seq_lens = seq_lens.astype(jnp.int32)
+    out, lse = paged_attention_reference(
+        q_latent, q_rope, kv_pages, block_table, seq_lens - q_latent.shape[1], seq_lens,
+        softmax_scale=softmax_scale,
+    )
+    if squeeze:
+        out, lse = out[:, 0], lse[:, 0]
+    return out, lse
+
+
+def mla_prefill_reference(
+    q_latent: jax.Array,
+    q_rope: jax.Array,
+    kv_pages: jax.Array,
+    block_table: jax.Array,
+    start_pos: jax.Array,
+    chunk_lens: jax.Array,
+    *,
+    softmax_scale: float,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """Absorbed MLA chunked prefill: a chunk of T new tokens whose latents are already in the pages.
+
+    q_latent [B, T, H, 512], q_rope [B, T, H, 64]; token t of sequence b is at absolute position
+    start_pos[b] + t and attends to positions 0 .. start_pos[b] + t (cached prefix plus the chunk, causal).
+    Rows t >= chunk_lens[b] are padding: their out is 0 and their lse is -inf.
+    Returns out [B, T, H, 512] (q's dtype) and lse [B, T, H] float32. `interpret` is ignored.
+    """
+    del interpret
+    if q_latent.ndim != 4:
+        raise ValueError(f"q_latent must be [B, T, H, {LATENT_DIM}], got {q_latent.shape}")
+    q_latent, q_rope, _ = _as_4d(q_latent, q_rope)
+    check_cache_args(kv_pages, block_table, q_latent.shape[0])
+    start_pos = start_pos.astype(jnp.int32)
+    chunk_lens = chunk_lens.astype(jnp.int32)
+    out, lse = paged_attention_reference(
+        q_latent, q_rope, kv_pages, block_table, start_pos, start_pos + chunk_lens,
+        softmax_scale=softmax_scale,
+    )
+    return mask_padding_rows(out, lse, chunk_lens)
+
+
+def mask_padding_rows(out: jax.Array, lse: jax.Array, chunk_lens: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Zero out / -inf the rows t >= chunk_lens[b] of [B, T, H, ...] results."""
+    valid = jnp.arange(out.shape[1])[None, :] < chunk_lens[:, None]  # [B, T]
+    out = jnp.where(valid[:, :, None, None], out, jnp.zeros((), out.dtype))
+    lse = jnp.where(valid[:, :, None], lse, -jnp.inf)
+    return out, lse

@@ -1,0 +1,216 @@
+"""Tests for the MLA attention kernels (`pallas_kernels.mla_decode`, `mla_prefill`) and their references.
+
+CPU: the Pallas kernels run under the Mosaic GPU interpreter (`plgpu.InterpretGPUParams`, which fills
+kernel outputs and shared memory with NaN first, so an element the kernel fails to write shows up as
+NaN) against the `jnp` references evaluated in fp32. GPU (marked): real DeepSeek shapes.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.mla_decode import mla_decode, paged_mla_partials
+from pallas_kernels.mla_prefill import mla_prefill
+from pallas_kernels.mla_reference import (
+    KV_DIM,
+    mla_decode_reference,
+    mla_prefill_reference,
+    paged_attention_reference,
+)
+
+PAGE = 64
+SCALE = 192**-0.5
+
+
+def _make_cache(rng, lens, *, dtype=jnp.bfloat16, extra_pages=3, poison_unused=True):
+    """Shuffled page table covering `lens`; pages no sequence owns are NaN (must never be read)."""
+    pages_per_seq = [max(1, math.ceil(n / PAGE)) for n in lens]
+    max_pages = max(pages_per_seq) + 1  # one table column past every sequence's last page
+    num_pages = sum(pages_per_seq) + extra_pages
+    perm = rng.permutation(num_pages)
+    table = np.full((len(lens), max_pages), perm[-1], np.int32)  # unused entries -> an unowned page
+    kv = rng.standard_normal((num_pages, PAGE, KV_DIM)).astype(np.float32)
+    used = set()
+    k = 0
+    for b, n in enumerate(pages_per_seq):
+        table[b, :n] = perm[k : k + n]
+        used.update(perm[k : k + n].tolist())
+        k += n
+    if poison_unused:
+        for p in range(num_pages):
+            if p not in used:
+                kv[p] = np.nan
+    return jnp.asarray(kv, dtype), jnp.asarray(table)
+
+
+def _queries(rng, shape, dtype=jnp.bfloat16):
+    lat = jnp.asarray(rng.standard_normal((*shape, 512)), dtype)
+    rope = jnp.asarray(rng.standard_normal((*shape, 64)), dtype)
+    return lat, rope
+
+
+def _f32(*xs):
+    return [x.astype(jnp.float32) for x in xs]
+
+
+def _assert_close(out, lse, ref_out, ref_lse, tol=2e-2):
+    out, ref_out = np.asarray(out, np.float32), np.asarray(ref_out, np.float32)
+    assert not np.isnan(out).any() and not np.isnan(np.asarray(lse)).any()
+    err = np.linalg.norm(out - ref_out) / np.linalg.norm(ref_out)
+    assert err <= tol, f"relative error {err:.3e}"
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), atol=2e-2, rtol=2e-3)
+
+
+@pytest.mark.parametrize(
+    "heads,nq,lens,splits",
+    [
+        (16, None, [1, 70, 200], None),  # ragged incl. 1 and non-multiples of 64, auto splits
+        (16, None, [130, 5], 3),  # more splits than some sequences have pages (empty splits)
+        (8, 3, [3, 64, 150], 2),  # several query tokens, causal among themselves
+        (128, None, [100, 64], 1),  # two 64-head row tiles, one split
+    ],
+)
+def test_decode_matches_reference(heads, nq, lens, splits):
+    rng = np.random.default_rng(len(lens) * 1000 + heads)
+    kv, table = _make_cache(rng, lens)
+    b = len(lens)
+    shape = (b, heads) if nq is None else (b, nq, heads)
+    ql, qr = _queries(rng, shape)
+    seq = jnp.asarray(lens, jnp.int32)
+    out, lse = mla_decode(ql, qr, kv, table, seq, softmax_scale=SCALE, interpret=True, num_splits=splits)
+    assert out.shape == ql.shape and out.dtype == ql.dtype and lse.shape == ql.shape[:-1]
+    assert lse.dtype == jnp.float32
+    ref_out, ref_lse = mla_decode_reference(*_f32(ql, qr), jnp.nan_to_num(kv.astype(jnp.float32)), table, seq,
+                                            softmax_scale=SCALE)
+    _assert_close(out, lse, ref_out, ref_lse)
+
+
+def test_every_partial_element_is_written():
+    """Raw kernel outputs (all splits, padding rows included) hold no NaN although they start as NaN."""
+    rng = np.random.default_rng(7)
+    lens = [1, 190]
+    kv, table = _make_cache(rng, lens)
+    ql, qr = _queries(rng, (2, 2, 16))
+    seq = jnp.asarray(lens, jnp.int32)
+    q_start = jnp.maximum(seq - 2, 0)
+    out_p, lse_p = jax.jit(
+        lambda *a: paged_mla_partials(*a, softmax_scale=SCALE, num_splits=4, interpret=True)
+    )(ql, qr, kv, table, q_start, seq)
+    assert out_p.shape == (2, 4, 64, 512) and lse_p.shape == (2, 4, 64)
+    assert not np.isnan(np.asarray(out_p, np.float32)).any()
+    assert not np.isnan(np.asarray(lse_p)).any()
+    # Sequence 0 has one page: its later splits are empty and say so with lse = -inf and out = 0.
+    assert np.all(np.asarray(lse_p)[0, 1:] == -np.inf)
+    assert np.all(np.asarray(out_p, np.float32)[0, 1:] == 0)
+
+
+def test_prefill_matches_reference():
+    rng = np.random.default_rng(11)
+    start = [0, 70, 130]
+    chunk = [5, 3, 6]
+    t = 6
+    kv, table = _make_cache(rng, [s + c for s, c in zip(start, chunk)])
+    ql, qr = _queries(rng, (3, t, 16))
+    sp, cl = jnp.asarray(start, jnp.int32), jnp.asarray(chunk, jnp.int32)
+    out, lse = mla_prefill(ql, qr, kv, table, sp, cl, softmax_scale=SCALE, interpret=True)
+    ref_out, ref_lse = mla_prefill_reference(*_f32(ql, qr), jnp.nan_to_num(kv.astype(jnp.float32)), table,
+                                             sp, cl, softmax_scale=SCALE)
+    valid = np.arange(t)[None, :] < np.asarray(chunk)[:, None]
+    assert np.all(np.asarray(out, np.float32)[~valid] == 0) and np.all(np.asarray(lse)[~valid] == -np.inf)
+    _assert_close(np.asarray(out, np.float32)[valid], np.asarray(lse)[valid],
+                  np.asarray(ref_out)[valid], np.asarray(ref_lse)[valid])
+
+
+def test_reference_matches_dense_softmax():
+    """The paged reference equals plain softmax attention over the contiguous sequence."""
+    rng = np.random.default_rng(3)
+    lens = [37, 129]
+    kv, table = _make_cache(rng, lens, dtype=jnp.float32, poison_unused=False)
+    ql, qr = _queries(rng, (2, 2, 4), jnp.float32)
+    seq = jnp.asarray(lens, jnp.int32)
+    out, lse = mla_decode_reference(ql, qr, kv, table, seq, softmax_scale=SCALE)
+    for b, n in enumerate(lens):
+        cache = np.asarray(kv)[np.asarray(table)[b]].reshape(-1, KV_DIM)[:n]
+        for j in range(2):
+            visible = n - 2 + 1 + j
+            s = (np.asarray(ql)[b, j] @ cache[:visible, :512].T + np.asarray(qr)[b, j] @ cache[:visible, 512:].T)
+            s *= SCALE
+            m = s.max(-1, keepdims=True)
+            p = np.exp(s - m)
+            np.testing.assert_allclose(np.asarray(lse)[b, j], (m + np.log(p.sum(-1, keepdims=True)))[:, 0],
+                                       rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(np.asarray(out)[b, j], (p / p.sum(-1, keepdims=True)) @ cache[:visible, :512],
+                                       rtol=1e-4, atol=1e-4)
+
+
+def test_bad_shapes_raise():
+    rng = np.random.default_rng(0)
+    kv, table = _make_cache(rng, [10])
+    ql, qr = _queries(rng, (1, 4))
+    with pytest.raises(ValueError, match="q_rope"):
+        mla_decode(ql, ql, kv, table, jnp.asarray([10]), softmax_scale=SCALE, interpret=True)
+    with pytest.raises(ValueError, match="kv_pages"):
+        mla_decode(ql, qr, kv[..., :512], table, jnp.asarray([10]), softmax_scale=SCALE, interpret=True)
+    with pytest.raises(ValueError, match="page_size"):
+        mla_decode(ql, qr, kv[:, :32], table, jnp.asarray([10]), softmax_scale=SCALE, interpret=True)
+    with pytest.raises(ValueError, match="block_table"):
+        mla_decode_reference(ql, qr, kv, table[:, :, None], jnp.asarray([10]), softmax_scale=SCALE)
+
+
+# ----------------------------------------------------------------------------------------------- GPU
+
+
+def _gpu_case(rng_key, b, h, nq, max_len, ragged=True):
+    """Random cache with ragged lengths up to max_len; returns kernel and fp32-reference results."""
+    rng = np.random.default_rng(rng_key)
+    lens = rng.integers(max(nq, 1), max_len + 1, size=b) if ragged else np.full(b, max_len)
+    lens[0] = max_len
+    kv, table = _make_cache(rng, lens.tolist(), extra_pages=1, poison_unused=False)
+    ql, qr = _queries(rng, (b, nq, h) if nq > 1 else (b, h))
+    seq = jnp.asarray(lens, jnp.int32)
+    out, lse = mla_decode(ql, qr, kv, table, seq, softmax_scale=SCALE)
+    ref = jax.jit(lambda *a: mla_decode_reference(*a, softmax_scale=SCALE))
+    ref_out, ref_lse = ref(*_f32(ql, qr, kv), table, seq)
+    return out, lse, ref_out, ref_lse
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("h", [128, 16])
+@pytest.mark.parametrize("b,max_len", [(1, 32768), (8, 16384), (64, 4096), (128, 1024), (128, 1)])
+def test_decode_gpu_real_shapes(b, h, max_len):
+    out, lse, ref_out, ref_lse = _gpu_case(b * 7 + h, b, h, 1, max_len)
+    _assert_close(out, lse, ref_out, ref_lse)
+
+
+@pytest.mark.gpu
+def test_decode_gpu_mtp_and_prefill():
+    out, lse, ref_out, ref_lse = _gpu_case(5, 16, 128, 2, 4096)
+    _assert_close(out, lse, ref_out, ref_lse)
+    rng = np.random.default_rng(9)
+    start, chunk = [0, 1000, 3000], [512, 300, 77]
+    kv, table = _make_cache(rng, [s + c for s, c in zip(start, chunk)], poison_unused=False)
+    ql, qr = _queries(rng, (3, 512, 128))
+    sp, cl = jnp.asarray(start, jnp.int32), jnp.asarray(chunk, jnp.int32)
+    out, lse = mla_prefill(ql, qr, kv, table, sp, cl, softmax_scale=SCALE)
+    ref_out, ref_lse = jax.jit(lambda *a: mla_prefill_reference(*a, softmax_scale=SCALE))(
+        *_f32(ql, qr, kv), table, sp, cl)
+    valid = np.arange(512)[None, :] < np.asarray(chunk)[:, None]
+    _assert_close(np.asarray(out, np.float32)[valid], np.asarray(lse)[valid],
+                  np.asarray(ref_out)[valid], np.asarray(ref_lse)[valid])
+
+
+def test_paged_reference_is_shared_core():
+    """Decode and prefill references are the same core with q_start = seq_lens - Q / start_pos."""
+    rng = np.random.default_rng(5)
+    kv, table = _make_cache(rng, [80], dtype=jnp.float32, poison_unused=False)
+    ql, qr = _queries(rng, (1, 3, 2), jnp.float32)
+    out_d, lse_d = mla_decode_reference(ql, qr, kv, table, jnp.asarray([80]), softmax_scale=SCALE)
+    out_p, lse_p = mla_prefill_reference(ql, qr, kv, table, jnp.asarray([77]), jnp.asarray([3]),
+                                         softmax_scale=SCALE)
+    out_c, lse_c = paged_attention_reference(ql, qr, kv, table, jnp.asarray([77]), jnp.asarray([80]),
+                                             softmax_scale=SCALE)
+    np.testing.assert_allclose(out_d, out_p, rtol=1e-6)
+    np.testing.assert_allclose(lse_d, lse_c, rtol=1e-6)
