@@ -1,0 +1,232 @@
+"""Benchmark of the MoE expert GEMM at DeepSeek-V3 shapes: our Pallas FP8 grouped GEMM beside its peers.
+
+Regimes (issue 7): prefill, M = 8192 tokens x 8 experts = 65,536 rows over E = 256 experts with uniform
+and skewed loads; decode, M = 64..1024 rows over 256 experts. Shapes: gate+up K=7168 -> N=4096 and
+down K=2048 -> N=7168. Peers in the same run: torch ``_scaled_grouped_mm`` (fp8 rowwise scales),
+torch ``_grouped_mm`` (bf16), ``jax.lax.ragged_dot`` (bf16) and cuBLAS dense fp8 ``torch._scaled_mm``.
+Each of our timings comes with a correctness check against an fp32 dequantize-then-matmul on a sample of
+experts. Prints a table and writes JSON (``--out``).
+
+Run on an H200: ``PYTHONPATH=. python3 benchmarks/moe_gemm_bench.py --out $OUT/moe_gemm_bench.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.fp8_gemm import DECODE_CONFIG, PREFILL_CONFIG, Fp8GemmConfig, fp8_gemm, fp8_grouped_gemm
+from pallas_kernels.fp8_quant import FP8_DTYPE, quantize_act
+
+E = 256
+SHAPES = {"gate_up": (7168, 4096), "down": (2048, 7168)}
+
+
+def group_sizes_for(m: int, e: int, load: str, seed: int = 0) -> np.ndarray:
+    """Rows per expert summing to m: 'uniform' (equal split) or 'skewed' (Zipf-like, some experts empty)."""
+    rng = np.random.default_rng(seed)
+    if load == "uniform":
+        p = np.ones(e)
+    else:
+        p = 1.0 / np.arange(1, e + 1) ** 1.1
+        rng.shuffle(p)
+    counts = rng.multinomial(m, p / p.sum()) if load != "uniform" else np.full(e, m // e)
+    counts[0] += m - counts.sum()
+    return counts.astype(np.int32)
+
+
+def time_jax(fn, *args, iters: int = 10, warmup: int = 2) -> float:
+    """Median wall-clock ms of ``fn(*args)`` (each call synchronised)."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    ts = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(ts)
+
+
+def time_torch(fn, iters: int = 10, warmup: int = 2) -> float:
+    """Median CUDA-event ms of ``fn()``."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        ts.append(a.elapsed_time(b))
+    return statistics.median(ts)
+
+
+def random_fp8_weights(key, e: int, n: int, k: int):
+    """Random e4m3 weights and block scales, made on device without an fp32 [E, N, K] intermediate."""
+    k1, k2 = jax.random.split(key)
+    w = (jax.random.normal(k1, (e, n, k), jnp.bfloat16) * 2.0).astype(FP8_DTYPE)
+    ws = jax.random.uniform(k2, (e, -(-n // 128), -(-k // 128)), jnp.float32, 0.5, 1.5) * 1e-2
+    return w, ws
+
+
+def check_sample(out, xq, xs, wq, ws, gs: np.ndarray, experts) -> float:
+    """Relative Frobenius error of ``out`` against fp32 dequantize-then-matmul on the given experts' rows."""
+    offs = np.concatenate([[0], np.cumsum(gs)])
+    num, den = 0.0, 0.0
+    for e in experts:
+        lo, hi = int(offs[e]), int(offs[e + 1])
+        if hi == lo:
+            continue
+        x = xq[lo:hi].astype(jnp.float32) * jnp.repeat(xs[lo:hi], 128, axis=1)[:, : xq.shape[1]]
+        s = jnp.repeat(jnp.repeat(ws[e], 128, axis=0), 128, axis=1)[: wq.shape[1], : wq.shape[2]]
+        w = wq[e].astype(jnp.float32) * s
+        ref = jnp.dot(x, w.T, precision=jax.lax.Precision.HIGHEST)
+        d = out[lo:hi].astype(jnp.float32) - ref
+        num += float(jnp.sum(d * d))
+        den += float(jnp.sum(ref * ref))
+    return (num / max(den, 1e-30)) ** 0.5
+
+
+def row(name, variant, ms, flops, wbytes, rel_err=None, **extra):
+    r = {
+        "case": name,
+        "variant": variant,
+        "ms": round(ms, 4),
+        "tflops": round(flops / ms / 1e9, 1),
+        "weight_tbps": round(wbytes / ms / 1e9, 3),
+        "rel_err": rel_err,
+    }
+    r.update(extra)
+    print(f"{name:34s} {variant:34s} {ms:9.3f} ms {r['tflops']:8.1f} TFLOP/s {r['weight_tbps']:6.2f} TB/s"
+          + (f"  rel_err={rel_err:.2e}" if rel_err is not None else ""), flush=True)
+    return r
+
+
+def bench_case(name, m, k, n, load, configs, results, torch_peers: bool, ragged_iters: int):
+    gs = group_sizes_for(m, E, load)
+    active = int((gs > 0).sum())
+    key = jax.random.key(hash(name) % 2**31)
+    kx, kw = jax.random.split(key)
+    x = jax.random.normal(kx, (m, k), jnp.bfloat16)
+    xq, xs = quantize_act(x)
+    wq, ws = random_fp8_weights(kw, E, n, k)
+    gs_j = jnp.asarray(gs)
+    flops = 2.0 * m * n * k
+    wbytes = active * n * k  # fp8 weight bytes of experts that have rows
+    sample = [int(np.argmax(gs)), int(np.argmin(gs)), 1, 7, E - 1]
+    for cfg in configs:
+        f = jax.jit(lambda a, b, c, d, g, cfg=cfg: fp8_grouped_gemm(a, b, c, d, g, config=cfg))
+        try:
+            out = jax.block_until_ready(f(xq, xs, wq, ws, gs_j))
+            err = check_sample(out, xq, xs, wq, ws, gs, sample)
+            ms = time_jax(f, xq, xs, wq, ws, gs_j)
+            results.append(row(name, f"pallas fp8 {cfg.wg_split}/{cfg.max_concurrent_steps}", ms, flops,
+                               wbytes, err))
+        except Exception as ex:  # noqa: BLE001 - report and carry on with the other variants
+            print(f"{name}: pallas {cfg} FAILED: {type(ex).__name__}: {str(ex)[:2000]}", flush=True)
+            results.append({"case": name, "variant": f"pallas fp8 {cfg}", "error": str(ex)[:500]})
+        del f
+    if ragged_iters:
+        wb = (wq.astype(jnp.bfloat16)).swapaxes(1, 2)  # [E, K, N] bf16
+        f = jax.jit(lambda a, b, g: jax.lax.ragged_dot(a, b, g))
+        ms = time_jax(f, x, wb, gs_j, iters=ragged_iters, warmup=1)
+        results.append(row(name, "jax.lax.ragged_dot bf16", ms, flops, 2 * wbytes))
+        del wb
+    if torch_peers:
+        torch_case(name, x, xq, xs, wq, gs, flops, wbytes, results)
+
+
+def torch_case(name, x, xq, xs, wq, gs, flops, wbytes, results):
+    import torch
+
+    dev = "cuda"
+    tx = torch.from_dlpack(x).to(dev)
+    offs = torch.tensor(np.cumsum(gs), dtype=torch.int32, device=dev)
+    w8 = torch.from_dlpack(wq.view(jnp.uint8)).view(torch.float8_e4m3fn)  # [E, N, K]
+    b8 = w8.transpose(-2, -1)  # [E, K, N], column-major as _scaled_grouped_mm wants
+    a8 = torch.from_dlpack(xq.view(jnp.uint8)).view(torch.float8_e4m3fn)
+    sa = torch.from_dlpack(jnp.max(xs, axis=1)).float().contiguous()
+    sb = torch.ones(w8.shape[0], w8.shape[1], device=dev, dtype=torch.float32)
+    try:
+        ms = time_torch(lambda: torch._scaled_grouped_mm(a8, b8, sa, sb, offs=offs, out_dtype=torch.bfloat16))
+        results.append(row(name, "torch _scaled_grouped_mm fp8 rowwise", ms, flops, wbytes))
+    except Exception as ex:  # noqa: BLE001
+        print(f"{name}: torch _scaled_grouped_mm FAILED: {str(ex)[:300]}", flush=True)
+    try:
+        wbf = w8.to(torch.bfloat16).transpose(-2, -1)
+        ms = time_torch(lambda: torch._grouped_mm(tx, wbf, offs=offs))
+        results.append(row(name, "torch _grouped_mm bf16", ms, flops, 2 * wbytes))
+    except Exception as ex:  # noqa: BLE001
+        print(f"{name}: torch _grouped_mm FAILED: {str(ex)[:300]}", flush=True)
+    torch.cuda.empty_cache()
+
+
+def dense_case(results, m=8192, n=8192, k=8192):
+    import torch
+
+    name = f"dense {m}x{n}x{k}"
+    kx, kw = jax.random.split(jax.random.key(1))
+    xq, xs = quantize_act(jax.random.normal(kx, (m, k), jnp.bfloat16))
+    wq, ws = random_fp8_weights(kw, 1, n, k)
+    flops = 2.0 * m * n * k
+    f = jax.jit(lambda a, b, c, d: fp8_gemm(a, b, c, d))
+    out = jax.block_until_ready(f(xq, xs, wq[0], ws[0]))
+    err = check_sample(out, xq, xs, wq, ws, np.array([m]), [0])
+    results.append(row(name, "pallas fp8_gemm 128x128 blocks", time_jax(f, xq, xs, wq[0], ws[0]), flops,
+                       n * k, err))
+    a8 = torch.from_dlpack(xq.view(jnp.uint8)).view(torch.float8_e4m3fn)
+    b8 = torch.from_dlpack(wq[0].view(jnp.uint8)).view(torch.float8_e4m3fn).t()
+    one = torch.ones((), device="cuda", dtype=torch.float32)
+    ms = time_torch(lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16))
+    results.append(row(name, "torch _scaled_mm fp8 (cuBLAS, tensorwise)", ms, flops, n * k))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="moe_gemm_bench.json")
+    ap.add_argument("--quick", action="store_true", help="one prefill and one decode case, no peers")
+    ap.add_argument("--no-torch", action="store_true")
+    args = ap.parse_args()
+    results: list[dict] = []
+    meta = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "date": "2026-12-02"}
+    print(meta, flush=True)
+    torch_peers = not (args.no_torch or args.quick)
+    prefill_cfgs = [PREFILL_CONFIG, Fp8GemmConfig("m", 6)]
+    decode_cfgs = [DECODE_CONFIG, Fp8GemmConfig("m", 4)]
+    if args.quick:
+        prefill_cfgs, decode_cfgs = [PREFILL_CONFIG], [DECODE_CONFIG]
+    if torch_peers:
+        dense_case(results)
+    for shape, (k, n) in SHAPES.items():
+        for load in ("uniform", "skewed"):
+            bench_case(f"prefill {shape} M=65536 {load}", 65536, k, n, load, prefill_cfgs, results,
+                       torch_peers, ragged_iters=0 if args.quick or load == "skewed" else 2)
+            save(args.out, meta, results)
+            if args.quick:
+                break
+        for m in (64, 256, 512, 1024):
+            if args.quick and m != 512:
+                continue
+            bench_case(f"decode {shape} M={m}", m, k, n, "uniform" if m >= E else "skewed", decode_cfgs,
+                       results, torch_peers, ragged_iters=0 if args.quick else 3)
+            save(args.out, meta, results)
+    save(args.out, meta, results)
+
+
+def save(path: str, meta: dict, results: list[dict]) -> None:
+    with open(path, "w") as fh:
+        json.dump({"meta": meta, "results": results}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,235 @@
+"""FP8 block quantization and the FP8 GEMM kernels against their fp32 dequantize-then-matmul references.
+
+CPU: the kernels run in Pallas Mosaic GPU interpret mode, which simulates TMA, barriers, wgmma and the
+warp-specialized pipeline on the host; output buffers start as NaN there, so every row the kernel fails
+to write shows up (the "poisoned output" check). GPU (``-m gpu``, on an H200): DeepSeek-V3 shapes.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.fp8_gemm import (
+    DECODE_CONFIG,
+    PREFILL_CONFIG,
+    Fp8GemmConfig,
+    _tile_metadata,
+    fp8_gemm,
+    fp8_grouped_gemm,
+    fp8_grouped_linear,
+    fp8_linear,
+)
+from pallas_kernels.fp8_quant import (
+    FP8_DTYPE,
+    FP8_MAX,
+    dequantize_act,
+    dequantize_weight,
+    quantize_act,
+    quantize_weight,
+)
+from pallas_kernels.fp8_reference import (
+    fp8_gemm_reference,
+    fp8_grouped_gemm_reference,
+    fp8_grouped_linear_reference,
+    fp8_linear_reference,
+)
+
+
+def _rand(seed, shape, scale=1.0):
+    return jax.random.normal(jax.random.key(seed), shape, jnp.float32) * scale
+
+
+def _roundtrip_bound(x, scale_full):
+    # e4m3 keeps 3 mantissa bits: half an ulp is <= |x| / 16 for normals; subnormals step by scale*2^-9.
+    return jnp.abs(x) / 16 + scale_full * 2.0**-9
+
+
+# ---------------------------------------------------------------- quantization
+
+
+@pytest.mark.parametrize("ue8m0", [False, True])
+@pytest.mark.parametrize("shape", [(4, 256), (3, 5, 300), (1, 7)])
+def test_quantize_act_roundtrip(shape, ue8m0):
+    x = _rand(0, shape, 3.0)
+    q, s = quantize_act(x, ue8m0=ue8m0)
+    assert q.dtype == FP8_DTYPE and q.shape == x.shape
+    assert s.shape == (*shape[:-1], -(-shape[-1] // 128)) and s.dtype == jnp.float32
+    if ue8m0:
+        np.testing.assert_array_equal(np.log2(s), np.round(np.log2(s)))
+    else:  # scale = amax / 448 exactly: the block's largest element maps to the largest fp8 value
+        amax = jnp.max(jnp.abs(jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, s.shape[-1] * 128 - shape[-1])])
+                               .reshape(*s.shape, 128)), axis=-1)
+        np.testing.assert_allclose(s, amax / FP8_MAX, rtol=1e-6)
+    deq = dequantize_act(q, s)
+    s_full = jnp.repeat(s, 128, axis=-1)[..., : shape[-1]]
+    assert bool(jnp.all(jnp.abs(deq - x) <= _roundtrip_bound(x, s_full)))
+
+
+@pytest.mark.parametrize("ue8m0", [False, True])
+@pytest.mark.parametrize("shape", [(256, 384), (2, 200, 300), (5, 130)])
+def test_quantize_weight_roundtrip(shape, ue8m0):
+    w = _rand(1, shape, 0.02)
+    q, s = quantize_weight(w, ue8m0=ue8m0)
+    nb, kb = -(-shape[-2] // 128), -(-shape[-1] // 128)
+    assert q.shape == w.shape and s.shape == (*shape[:-2], nb, kb)
+    deq = dequantize_weight(q, s)
+    s_full = jnp.repeat(jnp.repeat(s, 128, axis=-2), 128, axis=-1)[..., : shape[-2], : shape[-1]]
+    assert bool(jnp.all(jnp.abs(deq - w) <= _roundtrip_bound(w, s_full)))
+    assert bool(jnp.all(jnp.abs(q.astype(jnp.float32)) <= FP8_MAX))
+
+
+def test_quantize_zero_and_huge_blocks_stay_finite():
+    x = jnp.concatenate([jnp.zeros((2, 128)), jnp.full((2, 128), 1e6)], axis=1)
+    q, s = quantize_act(x)
+    assert bool(jnp.all(jnp.isfinite(s))) and bool(jnp.all(s > 0))
+    np.testing.assert_array_equal(q[:, :128].astype(jnp.float32), 0.0)
+    np.testing.assert_allclose(dequantize_act(q, s), x, rtol=1 / 16)
+
+
+def test_dequantize_rejects_wrong_scale_shape():
+    q, s = quantize_weight(_rand(2, (256, 256)))
+    with pytest.raises(ValueError, match="scale shape"):
+        dequantize_weight(q, s[:1])
+    qa, sa = quantize_act(_rand(3, (4, 256)))
+    with pytest.raises(ValueError, match="scale shape"):
+        dequantize_act(qa, sa[:, :1])
+
+
+# ---------------------------------------------------------------- tile metadata
+
+
+@pytest.mark.parametrize("sizes", [[70, 0, 1, 100, 3], [0, 0, 0, 0, 0], [128, 128, 0, 64], [1] * 9])
+@pytest.mark.parametrize("tile_m", [64, 128])
+def test_tile_metadata_covers_every_row_once(sizes, tile_m):
+    m = 300
+    meta, slots = _tile_metadata(jnp.array(sizes, jnp.int32), m, tile_m)
+    g, row0, lo, hi = np.asarray(meta)
+    assert meta.shape == (4, slots)
+    covered = np.zeros(m, int)
+    ends = np.minimum(np.cumsum(sizes), m)
+    starts = np.concatenate([[0], ends[:-1]])
+    for gi, r0, a, b in zip(g, row0, lo, hi):
+        if b <= a:
+            continue
+        assert r0 <= a < b <= r0 + tile_m and r0 % tile_m == 0
+        if gi < len(sizes):
+            assert starts[gi] <= a and b <= ends[gi]
+        else:
+            assert a >= ends[-1]  # the zero tail
+        covered[a:b] += 1
+    np.testing.assert_array_equal(covered, 1)
+
+
+# ---------------------------------------------------------------- kernels (interpret mode on CPU)
+
+
+def _grouped_inputs(m, k, n, e, seed=0):
+    xq, xs = quantize_act(_rand(seed, (m, k), 2.0))
+    wq, ws = quantize_weight(_rand(seed + 1, (e, n, k), 0.05))
+    return xq, xs, wq, ws
+
+
+def _assert_close(out, ref):
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    assert np.all(np.isfinite(out)), "kernel left unwritten (NaN-poisoned) or non-finite outputs"
+    np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-5 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize(
+    "config,shape,sizes",
+    [
+        # empty groups, a one-row group, groups not filling a tile, tail rows past sum(group_sizes)
+        (PREFILL_CONFIG, (200, 256, 256), [70, 0, 1, 100, 3]),
+        # odd K and N (padded inside), leading empty groups, one group straddling two row tiles
+        (DECODE_CONFIG, (90, 200, 200), [0, 0, 83, 0]),
+    ],
+)
+def test_grouped_gemm_matches_reference(config, shape, sizes):
+    m, k, n = shape
+    xq, xs, wq, ws = _grouped_inputs(m, k, n, len(sizes))
+    gs = jnp.array(sizes, jnp.int32)
+    # Poison the rows past sum(group_sizes): their outputs must still be exactly zero.
+    total = sum(sizes)
+    xq = xq.at[total:].set(jnp.array(jnp.nan, FP8_DTYPE))
+    out = fp8_grouped_gemm(xq, xs, wq, ws, gs, out_dtype=jnp.float32, config=config, interpret=True)
+    ref = fp8_grouped_gemm_reference(xq.at[total:].set(0), xs, wq, ws, gs, out_dtype=jnp.float32)
+    assert out.shape == (m, n)
+    _assert_close(out, ref)
+    np.testing.assert_array_equal(np.asarray(out[total:]), 0.0)
+
+
+def test_dense_gemm_and_linears_match_reference():
+    x = _rand(5, (65, 384), 1.5).astype(jnp.bfloat16)
+    wq, ws = quantize_weight(_rand(6, (128, 384), 0.05))
+    out = fp8_linear(x, wq, ws, interpret=True)
+    assert out.dtype == jnp.bfloat16 and out.shape == (65, 128)
+    ref = fp8_linear_reference(x, wq, ws)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), rtol=1e-2, atol=1e-2)
+    xq, xs = quantize_act(x)
+    _assert_close(
+        fp8_gemm(xq, xs, wq, ws, out_dtype=jnp.float32, interpret=True),
+        fp8_gemm_reference(xq, xs, wq, ws, out_dtype=jnp.float32),
+    )
+    # grouped linear with a single-row second group
+    wq3, ws3 = quantize_weight(_rand(7, (2, 128, 384), 0.05))
+    gs = jnp.array([64, 1], jnp.int32)
+    out = fp8_grouped_linear(x, wq3, ws3, gs, out_dtype=jnp.float32, interpret=True)
+    _assert_close(out, fp8_grouped_linear_reference(x, wq3, ws3, gs, out_dtype=jnp.float32))
+
+
+def test_grouped_gemm_rejects_bad_inputs():
+    xq, xs, wq, ws = _grouped_inputs(8, 128, 128, 2)
+    gs = jnp.array([4, 4], jnp.int32)
+    with pytest.raises(ValueError, match="x_scale"):
+        fp8_grouped_gemm(xq, xs[:, :0], wq, ws, gs, interpret=True)
+    with pytest.raises(ValueError, match="w_scale"):
+        fp8_grouped_gemm(xq, xs, wq, ws[:, :, :0], gs, interpret=True)
+    with pytest.raises(ValueError, match="group_sizes"):
+        fp8_grouped_gemm(xq, xs, wq, ws, gs[:1], interpret=True)
+    with pytest.raises(ValueError, match="x_fp8"):
+        fp8_grouped_gemm(xq.astype(jnp.bfloat16), xs, wq, ws, gs, interpret=True)
+    with pytest.raises(ValueError, match="wg_split"):
+        Fp8GemmConfig(wg_split="k")
+
+
+# ---------------------------------------------------------------- GPU, DeepSeek-V3 shapes
+
+
+def _skewed_sizes(m, e, seed):
+    rng = np.random.default_rng(seed)
+    p = 1.0 / np.arange(1, e + 1) ** 1.1
+    rng.shuffle(p)
+    sizes = rng.multinomial(m, p / p.sum()).astype(np.int32)
+    return sizes
+
+
+def _sampled_rel_err(out, xq, xs, wq, ws, sizes, experts):
+    offs = np.concatenate([[0], np.cumsum(sizes)])
+    num = den = 0.0
+    for e in experts:
+        lo, hi = int(offs[e]), int(offs[e + 1])
+        if hi == lo:
+            continue
+        ref = fp8_gemm_reference(xq[lo:hi], xs[lo:hi], wq[e], ws[e], out_dtype=jnp.float32)
+        num += float(jnp.sum((out[lo:hi].astype(jnp.float32) - ref) ** 2))
+        den += float(jnp.sum(ref**2))
+    return (num / den) ** 0.5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k,n", [(7168, 4096), (2048, 7168)])
+@pytest.mark.parametrize("m,config", [(16384, PREFILL_CONFIG), (512, DECODE_CONFIG), (512, PREFILL_CONFIG)])
+def test_grouped_gemm_deepseek_shapes_gpu(k, n, m, config):
+    e = 256
+    sizes = _skewed_sizes(m, e, seed=k + m)
+    kx, kw1, kw2 = jax.random.split(jax.random.key(0), 3)
+    xq, xs = quantize_act(jax.random.normal(kx, (m, k), jnp.bfloat16))
+    wq = (jax.random.normal(kw1, (e, n, k), jnp.bfloat16) * 2).astype(FP8_DTYPE)
+    ws = jax.random.uniform(kw2, (e, n // 128, k // 128), jnp.float32, 0.5, 1.5) * 1e-2
+    out = jax.block_until_ready(fp8_grouped_gemm(xq, xs, wq, ws, jnp.asarray(sizes), config=config))
+    assert bool(jnp.all(jnp.isfinite(out.astype(jnp.float32))))
+    experts = sorted({int(np.argmax(sizes)), int(np.argmin(sizes)), 0, 3, 100, e - 1})
+    assert _sampled_rel_err(out, xq, xs, wq, ws, sizes, experts) <= 1e-2
