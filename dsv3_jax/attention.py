@@ -1,0 +1,121 @@
+"""Multi-head Latent Attention (MLA) in its two forms.
+
+Owns: the q/kv projections, YaRN rope on the 64 rope dims, and attention itself in
+- *naive* form: kv_b expands the latent to per-head K [.., H, 192] and V [.., H, 128]; the cache keeps them;
+- *absorbed* form: the cache keeps only [c ; k_rope] (576 values per token for V3); W_uk (kv_b's K half)
+  is folded into q, and W_uv (its V half) is applied after attention.
+Both forms give the same numbers; names follow the paper / official reference (wkv_a, kv_norm, q_pe).
+Must not own cache allocation or paging (cache.py) or know about other layers.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from dsv3_jax.config import ModelConfig
+from dsv3_jax.layers import Linear, RMSNorm
+from dsv3_jax.rope import apply_rope, rope_angles
+
+ATTENTION_FORMS = ("absorbed", "naive")
+
+
+def _write(cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
+    """Write new [B, T, ...] into cache [B, S, ...] at per-sequence offsets start [B]."""
+    upd = lambda c, n, s: jax.lax.dynamic_update_slice_in_dim(c, n.astype(c.dtype), s, axis=0)
+    return jax.vmap(upd)(cache, new, start)
+
+
+def _causal_softmax(scores: jax.Array, q_pos: jax.Array, k_pos: jax.Array) -> jax.Array:
+    """scores [B, H, T, S] fp32; a key is visible iff its position <= the query's position."""
+    visible = k_pos[:, None, None, :] <= q_pos[:, None, :, None]
+    scores = jnp.where(visible, scores, -jnp.inf)
+    return jax.nn.softmax(scores, axis=-1)
+
+
+class MLA(nn.Module):
+    cfg: ModelConfig
+    param_dtype: jnp.dtype = jnp.float32
+    fp8: bool = False
+
+    def setup(self) -> None:
+        c = self.cfg
+        kw = dict(param_dtype=self.param_dtype, fp8=self.fp8)
+        h = c.num_attention_heads
+        if c.q_lora_rank is None:
+            self.q_proj = Linear(c.hidden_size, h * c.qk_head_dim, **kw)
+        else:
+            self.q_a_proj = Linear(c.hidden_size, c.q_lora_rank, **kw)
+            self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.rms_norm_eps, self.param_dtype)
+            self.q_b_proj = Linear(c.q_lora_rank, h * c.qk_head_dim, **kw)
+        self.kv_a_proj_with_mqa = Linear(c.hidden_size, c.latent_dim, **kw)
+        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.rms_norm_eps, self.param_dtype)
+        self.kv_b_proj = Linear(c.kv_lora_rank, h * (c.qk_nope_head_dim + c.v_head_dim), **kw)
+        self.o_proj = Linear(h * c.v_head_dim, c.hidden_size, **kw)
+
+    def _kv_b_weight(self, dtype) -> jax.Array:
+        """kv_b as [H, nope + v, kv_lora_rank]; W_uk and W_uv are its two halves."""
+        c = self.cfg
+        w = self.kv_b_proj.matrix(dtype)
+        return w.reshape(c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
+
+    def __call__(self, x: jax.Array, positions: jax.Array, cache: dict | None = None,
+                 form: str = "absorbed") -> tuple[jax.Array, dict | None]:
+        """x [B, T, D] at positions [B, T]; cache arrays [B, S, ...] written at positions[:, 0].
+
+        Without a cache, attention runs over x itself (a full causal forward).
+        """
+        if form not in ATTENTION_FORMS:
+            raise ValueError(f"attention form must be one of {ATTENTION_FORMS}, got {form!r}")
+        c = self.cfg
+        b, t, _ = x.shape
+        h, dn, dr, dv = c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
+
+        if c.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.reshape(b, t, h, dn + dr)
+        q_nope, q_pe = q[..., :dn], q[..., dn:]
+        kv = self.kv_a_proj_with_mqa(x)
+        latent, k_pe = self.kv_a_layernorm(kv[..., : c.kv_lora_rank]), kv[..., c.kv_lora_rank:]
+        cos, sin = rope_angles(c, positions)
+        q_pe = apply_rope(q_pe, cos, sin, c.rope_interleave)
+        k_pe = apply_rope(k_pe, cos, sin, c.rope_interleave)
+
+        w_kvb = self._kv_b_weight(x.dtype)
+        w_uk, w_uv = w_kvb[:, :dn, :], w_kvb[:, dn:, :]
+        start = positions[:, 0]
+        scale = c.softmax_scale
+
+        if form == "absorbed":
+            new_latent = jnp.concatenate([latent, k_pe], axis=-1)  # [B, T, 576]
+            if cache is not None:
+                cache = {"latent": _write(cache["latent"], new_latent, start)}
+                kv_lat = cache["latent"].astype(x.dtype)
+                k_pos = jnp.broadcast_to(jnp.arange(kv_lat.shape[1]), (b, kv_lat.shape[1]))
+            else:
+                kv_lat, k_pos = new_latent, positions
+            c_kv, k_rope = kv_lat[..., : c.kv_lora_rank], kv_lat[..., c.kv_lora_rank:]
+            q_lat = jnp.einsum("bthd,hdr->bthr", q_nope, w_uk)
+            scores = (jnp.einsum("bthr,bsr->bhts", q_lat, c_kv, preferred_element_type=jnp.float32)
+                      + jnp.einsum("bthe,bse->bhts", q_pe, k_rope, preferred_element_type=jnp.float32))
+            p = _causal_softmax(scores * scale, positions, k_pos)
+            o_lat = jnp.einsum("bhts,bsr->bthr", p.astype(x.dtype), c_kv)
+            out = jnp.einsum("bthr,hvr->bthv", o_lat, w_uv)
+        else:
+            k_nope = jnp.einsum("btr,hdr->bthd", latent, w_uk)
+            v = jnp.einsum("btr,hvr->bthv", latent, w_uv)
+            k = jnp.concatenate([k_nope, jnp.broadcast_to(k_pe[:, :, None, :], (b, t, h, dr))], axis=-1)
+            if cache is not None:
+                cache = {"k": _write(cache["k"], k, start), "v": _write(cache["v"], v, start)}
+                k, v = cache["k"].astype(x.dtype), cache["v"].astype(x.dtype)
+                k_pos = jnp.broadcast_to(jnp.arange(k.shape[1]), (b, k.shape[1]))
+            else:
+                k_pos = positions
+            qf = jnp.concatenate([q_nope, q_pe], axis=-1)
+            scores = jnp.einsum("bthd,bshd->bhts", qf, k, preferred_element_type=jnp.float32)
+            p = _causal_softmax(scores * scale, positions, k_pos)
+            out = jnp.einsum("bhts,bshv->bthv", p.astype(x.dtype), v)
+        return self.o_proj(out.reshape(b, t, h * dv)), cache

@@ -1,0 +1,103 @@
+"""The one dispatch point between the model and `pallas_kernels`.
+
+Owns: the choice between a Pallas Mosaic GPU kernel and its plain-`jnp` reference for the FP8 linears,
+the expert grouped matmul and MLA attention. "auto" picks Pallas on a Hopper GPU and the reference
+elsewhere (logged once); `force("pallas" | "reference")` or the env var DSV3_KERNELS overrides it.
+The choice is read at trace time, so a jitted function keeps the backend it was traced with.
+Must not know about layers, configs or meshes: arrays in, arrays out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import logging
+import os
+from collections.abc import Iterator
+
+import jax
+import jax.numpy as jnp
+
+log = logging.getLogger(__name__)
+
+_BACKENDS = ("auto", "pallas", "reference")
+_forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("dsv3_kernels", default=None)
+
+
+@contextlib.contextmanager
+def force(backend: str) -> Iterator[None]:
+    """Run (and trace) the enclosed code with `backend` in {"auto", "pallas", "reference"}."""
+    if backend not in _BACKENDS:
+        raise ValueError(f"kernel backend must be one of {_BACKENDS}, got {backend!r}")
+    token = _forced.set(backend)
+    try:
+        yield
+    finally:
+        _forced.reset(token)
+
+
+@functools.cache
+def _gpu_is_hopper() -> bool:
+    try:
+        devs = [d for d in jax.devices() if d.platform == "gpu"]
+    except RuntimeError:
+        return False
+    # Mosaic GPU's wgmma/TMA kernels need sm_90 (Hopper).
+    return bool(devs) and all(str(getattr(d, "compute_capability", "")).startswith("9") for d in devs)
+
+
+def backend() -> str:
+    """The backend in effect now: "pallas" or "reference"."""
+    choice = _forced.get() or os.environ.get("DSV3_KERNELS", "auto")
+    if choice not in _BACKENDS:
+        raise ValueError(f"DSV3_KERNELS must be one of {_BACKENDS}, got {choice!r}")
+    if choice != "auto":
+        return choice
+    if _gpu_is_hopper():
+        return "pallas"
+    _log_fallback_once()
+    return "reference"
+
+
+@functools.cache
+def _log_fallback_once() -> None:
+    log.info("dsv3_jax.kernels: no Hopper GPU found; using the plain-jnp reference kernels")
+
+
+# ------------------------------------------------------------------------------------------- FP8
+def dequantize_weight(w: jax.Array, scale: jax.Array, dtype=jnp.float32) -> jax.Array:
+    """W [..., N, K] e4m3 times its [..., ceil(N/128), ceil(K/128)] block scales."""
+    n, k = w.shape[-2:]
+    s = jnp.repeat(jnp.repeat(scale, 128, axis=-2)[..., :n, :], 128, axis=-1)[..., :k]
+    return (w.astype(jnp.float32) * s).astype(dtype)
+
+
+def fp8_linear(x: jax.Array, w: jax.Array, scale: jax.Array) -> jax.Array:
+    """x [..., K] @ W^T for an FP8 block-scaled W [N, K]; output in x's dtype."""
+    if backend() == "pallas":
+        from pallas_kernels import fp8_gemm
+
+        lead = x.shape[:-1]
+        y = fp8_gemm.fp8_linear(x.reshape(-1, x.shape[-1]), w, scale)
+        return y.reshape(*lead, w.shape[0]).astype(x.dtype)
+    wd = dequantize_weight(w, scale, x.dtype)
+    return jnp.einsum("...k,nk->...n", x, wd)
+
+
+# ------------------------------------------------------------------------------ grouped matmul
+def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
+                   w_scale: jax.Array | None = None) -> jax.Array:
+    """Rows of x [M, K] sorted by group times W_g^T, W [G, N, K]; group_sizes [G] sums to <= M.
+
+    Only the rows' own groups are computed (a grouped GEMM, never a dense all-experts product).
+    Rows past sum(group_sizes) come back as zeros.
+    """
+    if w_scale is not None and backend() == "pallas":
+        from pallas_kernels import fp8_gemm
+
+        return fp8_gemm.fp8_grouped_linear(x, w, w_scale, group_sizes).astype(x.dtype)
+    if w_scale is not None:
+        w = dequantize_weight(w, w_scale, x.dtype)
+    return jax.lax.ragged_dot(x, jnp.swapaxes(w, 1, 2).astype(x.dtype), group_sizes.astype(jnp.int32),
+                              preferred_element_type=jnp.float32).astype(x.dtype)

@@ -1,0 +1,78 @@
+"""Small building blocks shared by attention, MoE and the decoder: RMSNorm, Linear, SwiGLU MLP.
+
+Owns: weight layout of every linear ([out, in], the HF layout, so FP8 128x128 block scales line up
+with the checkpoint and FP8 wgmma gets K-major B), and the FP8 weight path through the kernel dispatch.
+Must not know about layers, caches or meshes.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from dsv3_jax import kernels
+
+Dtype = jnp.dtype
+
+
+def _init(scale: float = 0.02):
+    return nn.initializers.normal(stddev=scale)
+
+
+class RMSNorm(nn.Module):
+    dim: int
+    eps: float = 1e-6
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        w = self.param("weight", nn.initializers.ones, (self.dim,), self.param_dtype)
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return w * xf.astype(x.dtype)
+
+
+class Linear(nn.Module):
+    """y = x @ W^T with W [out, in]. With `fp8=True` W is float8_e4m3fn plus `scale` [out/128, in/128]."""
+
+    in_dim: int
+    out_dim: int
+    param_dtype: Dtype = jnp.float32
+    fp8: bool = False
+
+    def setup(self) -> None:
+        if self.fp8:
+            self.weight = self.param("weight", nn.initializers.zeros, (self.out_dim, self.in_dim),
+                                     jnp.float8_e4m3fn)
+            self.scale = self.param("scale", nn.initializers.ones,
+                                    (-(-self.out_dim // 128), -(-self.in_dim // 128)), jnp.float32)
+        else:
+            self.weight = self.param("weight", _init(), (self.out_dim, self.in_dim), self.param_dtype)
+
+    def matrix(self, dtype) -> jax.Array:
+        """W [out, in] in `dtype`, dequantized when FP8 (for weights reshaped by the caller, e.g. kv_b)."""
+        if self.fp8:
+            return kernels.dequantize_weight(self.weight, self.scale, dtype)
+        return self.weight.astype(dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        if self.fp8:
+            return kernels.fp8_linear(x, self.weight, self.scale)
+        return jnp.einsum("...i,oi->...o", x, self.weight.astype(x.dtype))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)); the dense layers and the shared expert."""
+
+    dim: int
+    hidden: int
+    param_dtype: Dtype = jnp.float32
+    fp8: bool = False
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kw = dict(param_dtype=self.param_dtype, fp8=self.fp8)
+        g = Linear(self.dim, self.hidden, name="gate_proj", **kw)(x)
+        u = Linear(self.dim, self.hidden, name="up_proj", **kw)(x)
+        return Linear(self.hidden, self.dim, name="down_proj", **kw)(jax.nn.silu(g) * u)

@@ -1,0 +1,143 @@
+"""The DeepSeek-V3 decoder: embeddings, dense and MoE blocks applied with `nn.scan`, head, MTP module.
+
+Owns: the block structure (pre-norm MLA + MLP/MoE with residuals), the two scanned stacks (the first
+`first_k_dense_replace` dense layers, then the homogeneous MoE layers: compile time does not grow with
+58 layers), the final norm and LM head, and the MTP module (layer `num_hidden_layers` in HF numbering).
+Must not own cache allocation (cache.py), weight loading (checkpoint.py) or sharding (sharding.py).
+
+Parameter tree (Linen names; layers stacked on axis 0):
+  embed_tokens/embedding [V, D], norm/weight [D], lm_head/weight [V, D]
+  dense_layers/{input_layernorm, post_attention_layernorm, self_attn/*, mlp/{gate,up,down}_proj}
+  moe_layers/{input_layernorm, post_attention_layernorm, self_attn/*, mlp/{gate_weight,
+      e_score_correction_bias, {gate,up,down}_proj_weight [L, E, out, in], shared_experts/*}}
+  mtp/{embed_tokens, enorm, hnorm, eh_proj, block/*, shared_head_norm, shared_head_head}
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from dsv3_jax.attention import MLA
+from dsv3_jax.config import ModelConfig
+from dsv3_jax.layers import MLP, Linear, RMSNorm
+from dsv3_jax.moe import MoE
+
+
+class Block(nn.Module):
+    """x + MLA(norm(x)), then + MLP-or-MoE(norm(x)). Called by nn.scan: (x, cache) -> (x, cache)."""
+
+    cfg: ModelConfig
+    is_moe: bool
+    param_dtype: jnp.dtype = jnp.float32
+    fp8: bool = False
+    form: str = "absorbed"
+
+    @nn.compact
+    def __call__(self, x: jax.Array, cache: dict | None, positions: jax.Array):
+        c = self.cfg
+        h, cache = MLA(c, self.param_dtype, self.fp8, name="self_attn")(
+            RMSNorm(c.hidden_size, c.rms_norm_eps, self.param_dtype, name="input_layernorm")(x),
+            positions, cache, self.form)
+        x = x + h
+        hn = RMSNorm(c.hidden_size, c.rms_norm_eps, self.param_dtype, name="post_attention_layernorm")(x)
+        if self.is_moe:
+            x = x + MoE(c, self.param_dtype, self.fp8, name="mlp")(hn)
+        else:
+            x = x + MLP(c.hidden_size, c.intermediate_size, self.param_dtype, self.fp8, name="mlp")(hn)
+        return x, cache
+
+
+def _stack(cfg: ModelConfig, is_moe: bool, length: int, param_dtype, fp8: bool, form: str, name: str):
+    scanned = nn.scan(Block, variable_axes={"params": 0, "intermediates": 0},
+                      split_rngs={"params": True}, in_axes=(0, nn.broadcast), length=length)
+    return scanned(cfg, is_moe, param_dtype, fp8, form, name=name)
+
+
+class MTP(nn.Module):
+    """h'_i = eh_proj([enorm(embed(t_{i+1})) ; hnorm(h_i)]) -> one MoE block -> own norm and head.
+
+    h_i is the main model's last hidden state *after* its final norm (what vLLM and SGLang feed the
+    draft); the result predicts token i+2.
+    """
+
+    cfg: ModelConfig
+    param_dtype: jnp.dtype = jnp.float32
+    fp8: bool = False
+    form: str = "absorbed"
+
+    @nn.compact
+    def __call__(self, hidden: jax.Array, next_tokens: jax.Array, positions: jax.Array,
+                 cache: dict | None = None):
+        c = self.cfg
+        d = c.hidden_size
+        emb = nn.Embed(c.vocab_size, d, param_dtype=self.param_dtype, name="embed_tokens")(next_tokens)
+        e = RMSNorm(d, c.rms_norm_eps, self.param_dtype, name="enorm")(emb.astype(hidden.dtype))
+        h = RMSNorm(d, c.rms_norm_eps, self.param_dtype, name="hnorm")(hidden)
+        x = Linear(2 * d, d, self.param_dtype, self.fp8, name="eh_proj")(jnp.concatenate([e, h], -1))
+        x, cache = Block(c, True, self.param_dtype, self.fp8, self.form, name="block")(x, cache, positions)
+        x = RMSNorm(d, c.rms_norm_eps, self.param_dtype, name="shared_head_norm")(x)
+        logits = Linear(d, c.vocab_size, self.param_dtype, False, name="shared_head_head")(x)
+        return logits.astype(jnp.float32), x, cache
+
+
+class Transformer(nn.Module):
+    cfg: ModelConfig
+    param_dtype: jnp.dtype = jnp.float32
+    fp8: bool = False
+    form: str = "absorbed"
+
+    def setup(self) -> None:
+        c = self.cfg
+        self.embed_tokens = nn.Embed(c.vocab_size, c.hidden_size, param_dtype=self.param_dtype)
+        if c.n_dense_layers:
+            self.dense_layers = _stack(c, False, c.n_dense_layers, self.param_dtype, self.fp8, self.form,
+                                       "dense_layers")
+        if c.n_moe_layers:
+            self.moe_layers = _stack(c, True, c.n_moe_layers, self.param_dtype, self.fp8, self.form,
+                                     "moe_layers")
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, self.param_dtype)
+        self.lm_head = Linear(c.hidden_size, c.vocab_size, self.param_dtype, False)
+        if c.num_nextn_predict_layers:
+            self.mtp = MTP(c, self.param_dtype, self.fp8, self.form)
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None, cache: dict | None = None):
+        """tokens [B, T] at positions [B, T] (default 0..T-1) -> (logits fp32 [B, T, V], hidden, cache).
+
+        `hidden` is the final-normed hidden state (the MTP module's input). With a cache, the new
+        tokens' latents (absorbed) or K/V (naive) are written at positions[:, 0] onwards.
+        """
+        b, t = tokens.shape
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        dtype = jnp.dtype(self.cfg.dtype)
+        x = self.embed_tokens(tokens).astype(dtype)
+        new_cache = {}
+        for name in ("dense_layers", "moe_layers"):
+            if not hasattr(self, name):
+                continue
+            x, layer_cache = getattr(self, name)(x, None if cache is None else cache[name], positions)
+            new_cache[name] = layer_cache
+        hidden = self.norm(x)
+        logits = self.lm_head(hidden).astype(jnp.float32)
+        if cache is not None and "mtp" in cache:
+            new_cache["mtp"] = cache["mtp"]
+        return logits, hidden, (new_cache if cache is not None else None)
+
+    def mtp_logits(self, hidden: jax.Array, next_tokens: jax.Array, positions: jax.Array,
+                   cache: dict | None = None):
+        """The MTP draft: logits for token i+2 from hidden_i and token i+1, plus its hidden and cache."""
+        mtp_cache = None if cache is None else cache["mtp"]
+        logits, h, mtp_cache = self.mtp(hidden, next_tokens, positions, mtp_cache)
+        if cache is not None:
+            cache = {**cache, "mtp": mtp_cache}
+        return logits, h, cache
+
+    def init_all(self, tokens: jax.Array):
+        """Touch every parameter (main model and MTP) so `init` creates the whole tree."""
+        logits, hidden, _ = self(tokens)
+        if self.cfg.num_nextn_predict_layers:
+            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+            self.mtp_logits(hidden, tokens, positions)
+        return logits

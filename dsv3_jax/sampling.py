@@ -1,0 +1,185 @@
+"""Next-token sampling on device: temperature, top-k, top-p and greedy, batched and usable inside jit.
+
+Owns: `SamplingParams` (per-request arrays, so one batch mixes settings), their validation, the filtered
+distribution (`probs_after_filtering`, reused by speculative decoding), `sample`, and reading defaults
+from a checkpoint's `generation_config.json`. Does not own the decode loop or stop conditions.
+
+Order of operations, as in transformers and DeepSeek's reference: logits / temperature, keep the top_k
+most likely tokens (0 = no limit), then keep the smallest set of those whose probability reaches top_p
+(always at least one token), renormalize and draw. Temperature 0 means greedy: argmax of the raw logits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+GENERATION_CONFIG_FILE = "generation_config.json"
+
+ScalarOrSeq = float | int | Sequence[float] | Sequence[int] | np.ndarray | jax.Array
+
+
+def validate_sampling_params(temperature: ScalarOrSeq, top_p: ScalarOrSeq, top_k: ScalarOrSeq) -> None:
+    """Raise ValueError naming the argument if any value is out of range (host-side check, not in jit)."""
+    t = np.asarray(temperature, dtype=np.float64)
+    p = np.asarray(top_p, dtype=np.float64)
+    k = np.asarray(top_k)
+    if not np.all(np.isfinite(t)) or np.any(t < 0):
+        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+    if not np.all(np.isfinite(p)) or np.any(p <= 0) or np.any(p > 1):
+        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+    if not np.issubdtype(k.dtype, np.integer) and not (
+        np.issubdtype(k.dtype, np.floating) and np.all(np.isfinite(k)) and np.all(k == np.round(k))
+    ):
+        raise ValueError(f"top_k must be an integer >= 0 (0 = no limit), got {top_k!r}")
+    if np.any(k < 0):
+        raise ValueError(f"top_k must be an integer >= 0 (0 = no limit), got {top_k!r}")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings, each an array of shape [B]; a pytree, so it can be passed to jit.
+
+    temperature: float32, 0 = greedy. top_p: float32 in (0, 1], 1 = off. top_k: int32, 0 = off.
+    Build with `SamplingParams.make`, which validates; the raw constructor does not.
+    """
+
+    temperature: jax.Array
+    top_p: jax.Array
+    top_k: jax.Array
+
+    @classmethod
+    def make(
+        cls,
+        batch_size: int,
+        temperature: ScalarOrSeq = 1.0,
+        top_p: ScalarOrSeq = 1.0,
+        top_k: ScalarOrSeq = 0,
+    ) -> SamplingParams:
+        """Validate and broadcast scalars or length-`batch_size` sequences to [batch_size] arrays."""
+        if not isinstance(batch_size, int | np.integer) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        validate_sampling_params(temperature, top_p, top_k)
+
+        def per_row(name: str, value: ScalarOrSeq, dtype: np.dtype) -> jax.Array:
+            arr = np.asarray(value)
+            if arr.ndim > 1 or (arr.ndim == 1 and arr.shape[0] != batch_size):
+                raise ValueError(f"{name} must be a scalar or have shape [{batch_size}], got {arr.shape}")
+            return jnp.asarray(np.broadcast_to(arr.astype(dtype), (batch_size,)))
+
+        return cls(
+            temperature=per_row("temperature", temperature, np.float32),
+            top_p=per_row("top_p", top_p, np.float32),
+            top_k=per_row("top_k", top_k, np.int32),
+        )
+
+    @classmethod
+    def greedy(cls, batch_size: int) -> SamplingParams:
+        return cls.make(batch_size, temperature=0.0)
+
+    @property
+    def batch_size(self) -> int:
+        return self.temperature.shape[0]
+
+
+def _check_shapes(logits: jax.Array, params: SamplingParams) -> None:
+    if logits.ndim != 2:
+        raise ValueError(f"logits must have shape [B, V], got {logits.shape}")
+    for name in ("temperature", "top_p", "top_k"):
+        shape = getattr(params, name).shape
+        if shape != (logits.shape[0],):
+            raise ValueError(f"params.{name} must have shape [{logits.shape[0]}] like logits, got {shape}")
+
+
+def _filtered_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
+    """Temperature-scaled logits with every token outside the top-k / top-p set at -inf, vocab order."""
+    batch, vocab = logits.shape
+    temperature = params.temperature.astype(jnp.float32)[:, None]
+    # Greedy rows are handled by the caller; any positive divisor keeps their arithmetic finite.
+    scaled = logits.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1.0)
+
+    order = jnp.argsort(-scaled, axis=-1)  # stable: ties keep the lower id first, like argmax
+    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
+    rank = jnp.arange(vocab)[None, :]
+
+    top_k = params.top_k.astype(jnp.int32)[:, None]
+    keep = (top_k <= 0) | (rank < top_k)
+
+    sorted_logits = jnp.where(keep, sorted_logits, -jnp.inf)
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs  # probability of the strictly more likely tokens
+    top_p = params.top_p.astype(jnp.float32)[:, None]
+    # rank 0 is always kept; top_p >= 1 keeps everything even where the float cumsum reaches 1 early.
+    keep = keep & ((mass_before < top_p) | (top_p >= 1.0) | (rank == 0))
+
+    rows = jnp.arange(batch)[:, None]
+    keep_vocab = jnp.zeros((batch, vocab), dtype=bool).at[rows, order].set(keep)
+    return jnp.where(keep_vocab, scaled, -jnp.inf)
+
+
+def probs_after_filtering(logits: jax.Array, params: SamplingParams) -> jax.Array:
+    """The distribution `sample` draws from, [B, V] float32: one-hot at the argmax for greedy rows."""
+    _check_shapes(logits, params)
+    probs = jax.nn.softmax(_filtered_logits(logits, params), axis=-1)
+    greedy = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
+    return jnp.where((params.temperature <= 0)[:, None], greedy, probs)
+
+
+def _row_keys(key: jax.Array, batch: int) -> jax.Array:
+    """One key per row: a single key is split; a batch of `batch` keys is used as is."""
+    typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+    single_ndim = 0 if typed else 1
+    if key.ndim == single_ndim:
+        return jax.random.split(key, batch)
+    if key.ndim == single_ndim + 1 and key.shape[0] == batch:
+        return key
+    raise ValueError(f"key must be one PRNG key or {batch} keys (one per row), got shape {key.shape}")
+
+
+def sample(logits: jax.Array, params: SamplingParams, key: jax.Array) -> jax.Array:
+    """Draw one token per row from `logits` [B, V]; returns int32 [B].
+
+    `key` is one PRNG key (split per row) or [B] keys; pass per-row keys to make a request's tokens
+    independent of which other requests share its batch. Same keys and inputs give the same tokens.
+    """
+    _check_shapes(logits, params)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    filtered = _filtered_logits(logits, params)
+    keys = _row_keys(key, logits.shape[0])
+    drawn = jax.vmap(lambda k, row: jax.random.categorical(k, row))(keys, filtered).astype(jnp.int32)
+    return jnp.where(params.temperature <= 0, greedy, drawn)
+
+
+def load_generation_defaults(directory: str | os.PathLike) -> dict:
+    """Sampling defaults from `<directory>/generation_config.json`; {} when the file is absent.
+
+    Returns the keys present among temperature, top_p, top_k (DeepSeek-V3: temperature 0.6, top_p 0.95),
+    with `do_sample: false` mapped to temperature 0 (greedy), plus `eos_token_ids` (a list) when the file
+    names an eos_token_id. Values are validated.
+    """
+    path = Path(directory) / GENERATION_CONFIG_FILE
+    if not path.is_file():
+        return {}
+    config = json.loads(path.read_text(encoding="utf-8"))
+    out: dict = {}
+    if "temperature" in config:
+        out["temperature"] = float(config["temperature"])
+    if "top_p" in config:
+        out["top_p"] = float(config["top_p"])
+    if "top_k" in config and config["top_k"] is not None:
+        out["top_k"] = int(config["top_k"])
+    if config.get("do_sample") is False:
+        out["temperature"] = 0.0
+    validate_sampling_params(out.get("temperature", 1.0), out.get("top_p", 1.0), out.get("top_k", 0))
+    eos = config.get("eos_token_id")
+    if eos is not None:
+        out["eos_token_ids"] = [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+    return out
