@@ -109,7 +109,8 @@ def write_safetensors(path: str | os.PathLike, tensors: Mapping[str, np.ndarray]
         a = np.ascontiguousarray(a)
         if a.dtype not in NAMES:
             raise ValueError(f"tensor {name!r}: dtype {a.dtype} has no safetensors name")
-        header[name] = {"dtype": NAMES[a.dtype], "shape": list(a.shape), "data_offsets": [off, off + a.nbytes]}
+        header[name] = {"dtype": NAMES[a.dtype], "shape": list(a.shape),
+                        "data_offsets": [off, off + a.nbytes]}
         off += a.nbytes
         arrays.append(a)
     blob = json.dumps(header, separators=(",", ":")).encode()

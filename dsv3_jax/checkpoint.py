@@ -73,3 +73,11 @@ def load_hf_params(src: str | Path, cfg: ModelConfig, *, dtype: jnp.dtype,
 
 def tree_is_fp8(tree: dict[str, Any]) -> bool:
     return any(x.dtype == FP8 for x in jax.tree_util.tree_leaves(tree))
+
+
+def load_params(path: str | Path, cfg: ModelConfig, *, dtype: jnp.dtype) -> dict[str, Any]:
+    """The parameter tree of a checkpoint directory: a converted (Orbax) one or an HF one."""
+    path = Path(path)
+    if (path / "model.safetensors.index.json").exists() or (path / "model.safetensors").exists():
+        return load_hf_params(path, cfg, dtype=dtype)
+    raise CheckpointError(f"{path}: neither a converted checkpoint nor an HF safetensors directory")
