@@ -130,8 +130,8 @@ class ModelConfig:
 
     def mtp_params(self, activated: bool = False) -> int:
         d = self.hidden_size
-        head = 0 if self.tie_word_embeddings else self.vocab_size * d  # MTP owns a copy of the head
-        per = 2 * d + 2 * d * d + self.moe_layer_params(activated) + d + head
+        # The checkpoint's MTP layer carries its own copies of the embedding and the head.
+        per = 2 * self.vocab_size * d + 2 * d + 2 * d * d + self.moe_layer_params(activated) + d
         return self.num_nextn_predict_layers * per
 
     def param_count(self, *, activated: bool = False, include_mtp: bool = False) -> int:
