@@ -162,22 +162,27 @@ def test_grouped_gemm_matches_reference(config, shape, sizes):
 
 
 def test_dense_gemm_and_linears_match_reference():
-    x = _rand(5, (65, 384), 1.5).astype(jnp.bfloat16)
-    wq, ws = quantize_weight(_rand(6, (128, 384), 0.05))
-    out = fp8_linear(x, wq, ws, interpret=True)
-    assert out.dtype == jnp.bfloat16 and out.shape == (65, 128)
-    ref = fp8_linear_reference(x, wq, ws)
-    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), rtol=1e-2, atol=1e-2)
-    xq, xs = quantize_act(x)
-    _assert_close(
-        fp8_gemm(xq, xs, wq, ws, out_dtype=jnp.float32, interpret=True),
-        fp8_gemm_reference(xq, xs, wq, ws, out_dtype=jnp.float32),
-    )
+    x = _rand(5, (65, 256), 1.5).astype(jnp.bfloat16)
+    wq, ws = quantize_weight(_rand(6, (128, 256), 0.05))
+    out = fp8_linear(x, wq, ws, out_dtype=jnp.float32, interpret=True)  # quantize + fp8_gemm
+    assert out.shape == (65, 128)
+    _assert_close(out, fp8_linear_reference(x, wq, ws, out_dtype=jnp.float32))
     # grouped linear with a single-row second group
-    wq3, ws3 = quantize_weight(_rand(7, (2, 128, 384), 0.05))
+    wq3, ws3 = quantize_weight(_rand(7, (2, 128, 256), 0.05))
     gs = jnp.array([64, 1], jnp.int32)
     out = fp8_grouped_linear(x, wq3, ws3, gs, out_dtype=jnp.float32, interpret=True)
     _assert_close(out, fp8_grouped_linear_reference(x, wq3, ws3, gs, out_dtype=jnp.float32))
+
+
+def test_dense_gemm_validates_and_reference_is_dequantized_matmul():
+    x = _rand(8, (4, 256))
+    wq, ws = quantize_weight(_rand(9, (128, 256), 0.05))
+    xq, xs = quantize_act(x)
+    ref = fp8_gemm_reference(xq, xs, wq, ws, out_dtype=jnp.float32)
+    want = dequantize_act(xq, xs) @ dequantize_weight(wq, ws).T
+    np.testing.assert_allclose(ref, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="w_fp8"):
+        fp8_gemm(xq, xs, wq[None], ws, interpret=True)
 
 
 def test_grouped_gemm_rejects_bad_inputs():
