@@ -136,14 +136,15 @@ def test_reference_matches_dense_softmax():
         cache = np.asarray(kv)[np.asarray(table)[b]].reshape(-1, KV_DIM)[:n]
         for j in range(2):
             visible = n - 2 + 1 + j
-            s = (np.asarray(ql)[b, j] @ cache[:visible, :512].T + np.asarray(qr)[b, j] @ cache[:visible, 512:].T)
+            qb, rb = np.asarray(ql)[b, j], np.asarray(qr)[b, j]
+            s = qb @ cache[:visible, :512].T + rb @ cache[:visible, 512:].T
             s *= SCALE
             m = s.max(-1, keepdims=True)
             p = np.exp(s - m)
             np.testing.assert_allclose(np.asarray(lse)[b, j], (m + np.log(p.sum(-1, keepdims=True)))[:, 0],
                                        rtol=1e-5, atol=1e-5)
-            np.testing.assert_allclose(np.asarray(out)[b, j], (p / p.sum(-1, keepdims=True)) @ cache[:visible, :512],
-                                       rtol=1e-4, atol=1e-4)
+            want = (p / p.sum(-1, keepdims=True)) @ cache[:visible, :512]
+            np.testing.assert_allclose(np.asarray(out)[b, j], want, rtol=1e-4, atol=1e-4)
 
 
 def test_bad_shapes_raise():

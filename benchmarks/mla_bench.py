@@ -1,0 +1,180 @@
+"""Benchmark of the MLA attention kernels against the XLA-einsum references (GPU).
+
+Owns the measurement only: for decode, B in {1, 8, 64, 128} x S in {1K, 4K, 16K, 32K} x H in {128, 16}
+(one query token, every sequence at length S, shuffled pages), the Pallas kernel and the `jnp` reference
+(same paged inputs, bf16 with fp32 accumulation) are timed in the same run; a short prefill section
+times the absorbed kernel against the absorbed and naive (qk 192 / v 128) XLA forms. Each figure is the
+median (min/max too) of `--reps` timings of `--inner` back-to-back calls. Before timing, every kernel
+result is checked for NaN and against the fp32 reference (relative Frobenius error) where that
+reference is affordable. Prints a table and writes JSON.
+
+    python benchmarks/mla_bench.py --out benchmarks/results/mla_bench.json
+    python benchmarks/mla_bench.py --interpret --batches 1 --seqs 128 --heads 16 --prefill-lens 64 --reps 1 \\
+        --inner 1   # CPU smoke run
+"""
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pallas_kernels.mla_decode import mla_decode  # noqa: E402
+from pallas_kernels.mla_prefill import mla_prefill  # noqa: E402
+from pallas_kernels.mla_reference import mla_decode_reference, mla_prefill_reference  # noqa: E402
+
+PAGE = 64
+SCALE = 192**-0.5
+
+
+def _time(fn, args, reps: int, inner: int) -> dict:
+    jax.block_until_ready(fn(*args))  # compile + warm up
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            r = fn(*args)
+        jax.block_until_ready(r)
+        ts.append((time.perf_counter() - t0) / inner)
+    return dict(median_ms=1e3 * statistics.median(ts), min_ms=1e3 * min(ts), max_ms=1e3 * max(ts))
+
+
+def _decode_inputs(key: int, b: int, h: int, s: int):
+    rng = np.random.default_rng(key)
+    n_pages = b * math.ceil(s / PAGE)
+    table = rng.permutation(n_pages).reshape(b, -1).astype(np.int32)
+    k1, k2, k3 = jax.random.split(jax.random.key(key), 3)
+    kv = jax.random.normal(k1, (n_pages, PAGE, 576), jnp.bfloat16)
+    ql = jax.random.normal(k2, (b, h, 512), jnp.bfloat16)
+    qr = jax.random.normal(k3, (b, h, 64), jnp.bfloat16)
+    return ql, qr, kv, jnp.asarray(table), jnp.full((b,), s, jnp.int32)
+
+
+def _rel_err(x, ref) -> float:
+    x, ref = jnp.asarray(x, jnp.float32), jnp.asarray(ref, jnp.float32)
+    return float(jnp.linalg.norm(x - ref) / jnp.linalg.norm(ref))
+
+
+def bench_decode(args, results: list, deadline: float) -> None:
+    kern = jax.jit(lambda *a: mla_decode(*a, softmax_scale=SCALE, interpret=args.interpret))
+    ref = jax.jit(lambda *a: mla_decode_reference(*a, softmax_scale=SCALE))
+    bs, ss = args.batches, args.seqs
+    print(f"{'H':>4} {'B':>4} {'S':>6} | {'kernel ms':>9} {'TF/s':>6} {'GB/s':>6} | {'xla ms':>8} "
+          f"{'TF/s':>6} {'GB/s':>6} | {'speedup':>7} {'rel_err':>8}", flush=True)
+    for h in args.heads:
+        for b in bs:
+            for s in ss:
+                if time.time() > deadline:
+                    print("time budget spent; stopping decode sweep", flush=True)
+                    return
+                inp = _decode_inputs(b * 131 + s + h, b, h, s)
+                out, lse = kern(*inp)
+                nan = bool(jnp.isnan(out).any() | jnp.isnan(lse).any())
+                err = None
+                if b * s <= 64 * 4096:  # fp32 reference only where it is cheap
+                    rout, _ = ref(*[x.astype(jnp.float32) if x.dtype == jnp.bfloat16 else x for x in inp])
+                    err = _rel_err(out, rout)
+                tk = _time(kern, inp, args.reps, args.inner)
+                tr = _time(ref, inp, args.reps, args.inner)
+                flops = 2.0 * b * h * s * (576 + 512)
+                byts = b * s * 576 * 2.0
+                row = dict(kind="decode", H=h, B=b, S=s, nan=nan, rel_err_vs_fp32=err, kernel=tk, xla=tr)
+                for t in (tk, tr):
+                    t["tflops"] = flops / (t["median_ms"] * 1e-3) / 1e12
+                    t["gbps"] = byts / (t["median_ms"] * 1e-3) / 1e9
+                results.append(row)
+                print(f"{h:>4} {b:>4} {s:>6} | {tk['median_ms']:>9.4f} {tk['tflops']:>6.1f} "
+                      f"{tk['gbps']:>6.0f} | {tr['median_ms']:>8.4f} {tr['tflops']:>6.1f} "
+                      f"{tr['gbps']:>6.0f} | "
+                      f"{tr['median_ms'] / tk['median_ms']:>7.2f} {err if err is None else f'{err:.1e}':>8}"
+                      f"{'  NaN!' if nan else ''}", flush=True)
+                del inp, out, lse
+
+
+def _naive_prefill(q_nope, q_pe, k_nope, k_pe, v):
+    """Naive-form causal MLA attention in XLA (per-head K/V, qk 192 / v 128), chunk = whole sequence."""
+    s = jnp.einsum("bthd,bshd->bhts", q_nope, k_nope, preferred_element_type=jnp.float32)
+    s += jnp.einsum("bthr,bsr->bhts", q_pe, k_pe, preferred_element_type=jnp.float32)
+    t = q_nope.shape[1]
+    mask = jnp.tril(jnp.ones((t, t), bool))
+    p = jax.nn.softmax(jnp.where(mask, s * SCALE, -jnp.inf), axis=-1)
+    out = jnp.einsum("bhts,bshd->bthd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return out.astype(v.dtype)
+
+
+def bench_prefill(args, results: list, deadline: float) -> None:
+    h = 128
+    kern = jax.jit(lambda *a: mla_prefill(*a, softmax_scale=SCALE, interpret=args.interpret))
+    ref = jax.jit(lambda *a: mla_prefill_reference(*a, softmax_scale=SCALE))
+    print(f"\nprefill H=128 B=1, chunk = whole sequence\n{'T':>6} | {'absorbed kernel ms':>18} {'TF/s':>6} | "
+          f"{'absorbed xla ms':>15} | {'naive xla ms':>12} {'TF/s':>6}", flush=True)
+    for t in args.prefill_lens:
+        if time.time() > deadline:
+            return
+        ql, qr, kv, table, _ = _decode_inputs(t, 1, h, t)
+        ql = jax.random.normal(jax.random.key(1), (1, t, h, 512), jnp.bfloat16)
+        qr = jax.random.normal(jax.random.key(2), (1, t, h, 64), jnp.bfloat16)
+        sp, cl = jnp.zeros((1,), jnp.int32), jnp.full((1,), t, jnp.int32)
+        inp = (ql, qr, kv, table, sp, cl)
+        out, _ = kern(*inp)
+        rout, _ = ref(*inp)
+        err = _rel_err(out, rout)
+        tk = _time(kern, inp, args.reps, 2)
+        tr = _time(ref, inp, args.reps, 2)
+        ks = jax.random.split(jax.random.key(3), 5)
+        naive_in = (
+            jax.random.normal(ks[0], (1, t, h, 128), jnp.bfloat16),
+            jax.random.normal(ks[1], (1, t, h, 64), jnp.bfloat16),
+            jax.random.normal(ks[2], (1, t, h, 128), jnp.bfloat16),
+            jax.random.normal(ks[3], (1, t, 64), jnp.bfloat16),
+            jax.random.normal(ks[4], (1, t, h, 128), jnp.bfloat16),
+        )
+        tn = _time(jax.jit(_naive_prefill), naive_in, args.reps, 2)
+        pairs = h * t * (t + 1) / 2  # causal (query, key) pairs
+        f_abs, f_naive = 2 * pairs * (576 + 512), 2 * pairs * (192 + 128)
+        tk["tflops"] = f_abs / (tk["median_ms"] * 1e-3) / 1e12
+        tn["tflops"] = f_naive / (tn["median_ms"] * 1e-3) / 1e12
+        results.append(dict(kind="prefill", H=h, B=1, T=t, rel_err_vs_bf16_xla=err, kernel=tk,
+                            xla_absorbed=tr, xla_naive=tn))
+        print(f"{t:>6} | {tk['median_ms']:>18.3f} {tk['tflops']:>6.1f} | {tr['median_ms']:>15.3f} | "
+              f"{tn['median_ms']:>12.3f} {tn['tflops']:>6.1f}   (rel err vs xla {err:.1e})", flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="mla_bench.json")
+    p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--inner", type=int, default=5)
+    p.add_argument("--budget-s", type=float, default=400.0, help="no new configuration after this")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 128])
+    p.add_argument("--seqs", type=int, nargs="+", default=[1024, 4096, 16384, 32768])
+    p.add_argument("--heads", type=int, nargs="+", default=[128, 16])
+    p.add_argument("--prefill-lens", type=int, nargs="+", default=[1024, 4096])
+    p.add_argument("--interpret", action="store_true", help="CPU smoke run of the script (GPU interpreter)")
+    p.add_argument("--skip-prefill", action="store_true")
+    args = p.parse_args()
+    deadline = time.time() + args.budget_s
+    dev = jax.devices()[0]
+    results: list = []
+    meta = dict(device=dev.device_kind, jax=jax.__version__, date=time.strftime("%Y-%m-%d"), argv=sys.argv)
+    print(meta, flush=True)
+    try:
+        bench_decode(args, results, deadline)
+        if not args.skip_prefill:
+            bench_prefill(args, results, deadline + 60)
+    finally:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(dict(meta=meta, results=results), indent=1))
+        print(f"wrote {args.out}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
