@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -18,6 +19,9 @@ import numpy as np
 
 from dsv3_jax import checkpoint
 from dsv3_jax.attention import ATTENTION_FORMS
+from dsv3_jax.decode import Decoder, GenerationResult, make_sampling
+from dsv3_jax.sampling import load_generation_defaults
+from dsv3_jax.tokenizer import Tokenizer
 from dsv3_jax.config import ModelConfig
 from dsv3_jax.model import Transformer
 
@@ -31,6 +35,8 @@ class ModelHandle:
     attention: str = "absorbed"
     mesh: Any = None
     path: Path | None = None
+    tokenizer: Tokenizer | None = None
+    generation_defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_FORMS:
@@ -56,6 +62,61 @@ class ModelHandle:
             raise ValueError(f"token ids must lie in [0, {self.config.vocab_size})")
         return np.asarray(self._forward(self.params, jnp.asarray(toks)), dtype=np.float32)
 
+    @functools.cached_property
+    def _decoder(self) -> Decoder:
+        return Decoder(self)
+
+    def _encode(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this checkpoint has no tokenizer.json: pass prompts as token-id lists")
+            return self.tokenizer.encode(prompt)
+        return [int(t) for t in prompt]
+
+    def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]], *,
+                 max_new_tokens: int = 64, temperature: float | None = None, top_p: float | None = None,
+                 top_k: int | None = None, seed: int = 0, stop: str | Sequence[str] | None = None,
+                 stream: bool = False, ignore_eos: bool = False):
+        """Generate for one prompt or a batch (strings or token-id lists).
+
+        Returns a list of `GenerationResult` (one per prompt; a single result for a single prompt).
+        With `stream=True` returns an iterator of text pieces (str) for a single prompt, or of
+        (prompt index, piece) pairs for a batch. Sampling defaults come from generation_config.json;
+        temperature 0 is greedy.
+        """
+        single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], (int, np.integer)))
+        batch = [prompts] if single else list(prompts)
+        ids = [self._encode(p) for p in batch]
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        eos = [] if ignore_eos else self._eos_ids()
+        it = self._decoder.stream(ids, max_new_tokens=max_new_tokens, seed=seed, eos_ids=eos, stop=stops,
+                                  sampling=make_sampling(len(ids), self.generation_defaults, temperature,
+                                                         top_p, top_k),
+                                  tokenizer=self.tokenizer)
+        if stream:
+            return (piece if single else (i, piece) for i, piece, res in it if res is None and piece)
+        results: list[GenerationResult | None] = [None] * len(ids)
+        for i, _, res in it:
+            if res is not None:
+                results[i] = res
+        return results[0] if single else results
+
+    def chat(self, messages: Sequence[dict], *, thinking: bool = False, **kwargs):
+        """Render the chat template (with the thinking switch) and generate the assistant's reply."""
+        from dsv3_jax.chat import encode_chat
+
+        if self.tokenizer is None or self.tokenizer.chat_template is None:
+            raise ValueError("this checkpoint has no tokenizer chat template")
+        ids = encode_chat(self.tokenizer, messages, add_generation_prompt=True, thinking=thinking)
+        return self.generate(ids, **kwargs)
+
+    def _eos_ids(self) -> list[int]:
+        ids = list(self.generation_defaults.get("eos_token_ids", []))
+        if not ids:
+            ids = [self.tokenizer.eos_id] if self.tokenizer and self.tokenizer.eos_id is not None \
+                else [self.config.eos_token_id]
+        return ids
+
 
 def load(path: str | Path, *, mesh: Any = None, attention: str = "absorbed", dtype: str | None = None,
          n_activated_experts: int | None = None) -> ModelHandle:
@@ -77,4 +138,20 @@ def load(path: str | Path, *, mesh: Any = None, attention: str = "absorbed", dty
         raise ValueError("load(mesh=...) is not supported yet: meshes land with dsv3_jax.sharding")
     params = checkpoint.load_params(path, cfg, dtype=jnp.dtype(cfg.dtype))
     params = jax.tree_util.tree_map(jnp.asarray, params)
-    return ModelHandle(cfg, params, attention, mesh, path)
+    tok = Tokenizer.from_dir(path) if (path / "tokenizer.json").exists() else None
+    return ModelHandle(cfg, params, attention, mesh, path, tok, load_generation_defaults(path))
+
+
+def tiny_default(*, attention: str = "absorbed", seed: int = 0) -> ModelHandle:
+    """The embedded default: the `tiny` preset with seeded random weights and DeepSeek-V3.1's tokenizer.
+
+    Its text is gibberish (the weights are random) but every mechanism runs: MLA, groups, YaRN, MTP.
+    """
+    from dsv3_jax.config import ModelConfig
+
+    cfg = ModelConfig.preset("tiny")
+    model = Transformer(cfg, jnp.dtype(cfg.dtype), False, attention)
+    params = jax.jit(lambda k: model.init(k, jnp.zeros((1, 1), jnp.int32), method=model.init_all))(
+        jax.random.key(seed))["params"]
+    return ModelHandle(cfg, params, attention, None, None, Tokenizer.default(),
+                       {"temperature": 0.6, "top_p": 0.95})

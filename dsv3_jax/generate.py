@@ -1,0 +1,166 @@
+"""`python -m dsv3_jax.generate`: generation and chat from the command line.
+
+Owns: flag parsing, reading prompts (--prompt, --input-file with lines or JSONL, --interactive REPL),
+streaming to the terminal, --json output, and turning bad input into one clear message with a
+non-zero exit (no traceback). Must not implement decoding (decode.py) or loading (api.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from dsv3_jax.config import ConfigError
+
+EXIT_BAD_INPUT = 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m dsv3_jax.generate",
+                                description="Generate text with a DeepSeek-V3-class model.")
+    p.add_argument("--ckpt", type=Path, help="converted (or HF) checkpoint dir; default: embedded tiny model")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", help="one prompt")
+    src.add_argument("--input-file", type=Path, help="one prompt per line, or JSONL with prompt/messages")
+    src.add_argument("--interactive", action="store_true", help="multi-turn chat REPL")
+    p.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
+    p.add_argument("--thinking", action="store_true", help="chat template's thinking mode")
+    p.add_argument("--system", help="system prompt for --chat / --interactive")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, help="0 = greedy (default: generation_config.json)")
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--mesh", help="e.g. data=1,tensor=8,expert=1")
+    p.add_argument("--attention", choices=["absorbed", "naive"], default="absorbed")
+    p.add_argument("--dtype", help="override the checkpoint dtype (e.g. float32, bfloat16)")
+    p.add_argument("--json", action="store_true", help="print machine-readable results (JSON lines)")
+    return p
+
+
+def _load(args: argparse.Namespace):
+    from dsv3_jax import api
+
+    if args.ckpt is None:
+        print("[dsv3_jax] no --ckpt: using the embedded tiny default (random weights, DeepSeek-V3.1 "
+              "tokenizer) — the text is gibberish by design", file=sys.stderr)
+        return api.tiny_default(attention=args.attention)
+    if not args.ckpt.exists():
+        raise FileNotFoundError(f"checkpoint not found: {args.ckpt}")
+    return api.load(args.ckpt, mesh=args.mesh, attention=args.attention, dtype=args.dtype)
+
+
+def _read_inputs(args: argparse.Namespace) -> list[Any]:
+    if args.prompt is not None:
+        return [args.prompt]
+    if args.input_file is None:
+        raise ValueError("give --prompt, --input-file or --interactive")
+    if not args.input_file.exists():
+        raise FileNotFoundError(f"input file not found: {args.input_file}")
+    items: list[Any] = []
+    for n, line in enumerate(args.input_file.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        if line.lstrip().startswith("{"):
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{args.input_file}:{n}: invalid JSON ({e.msg})") from e
+            if "messages" in obj:
+                items.append(obj["messages"])
+            elif "prompt" in obj:
+                items.append(obj["prompt"])
+            else:
+                raise ValueError(f"{args.input_file}:{n}: a JSON line needs 'prompt' or 'messages'")
+        else:
+            items.append(line)
+    if not items:
+        raise ValueError(f"{args.input_file}: no prompts")
+    return items
+
+
+def _to_ids(handle, item: Any, args: argparse.Namespace) -> list[int]:
+    from dsv3_jax.chat import encode_chat
+
+    if isinstance(item, list) or args.chat:
+        msgs = item if isinstance(item, list) else [{"role": "user", "content": item}]
+        if args.system and not isinstance(item, list):
+            msgs = [{"role": "system", "content": args.system}, *msgs]
+        return encode_chat(handle.tokenizer, msgs, add_generation_prompt=True, thinking=args.thinking)
+    return handle.tokenizer.encode(item)
+
+
+def _gen_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                top_k=args.top_k, seed=args.seed, stop=args.stop or None)
+
+
+def _run_batch(handle, args: argparse.Namespace) -> None:
+    ids = [_to_ids(handle, it, args) for it in _read_inputs(args)]
+    if args.json or len(ids) > 1:
+        results = handle.generate(ids, **_gen_kwargs(args))
+        for i, r in enumerate(results):
+            if args.json:
+                print(json.dumps({"index": i, **r.to_dict()}, ensure_ascii=False))
+            else:
+                print(f"--- [{i}] ({r.finish_reason})\n{r.text}")
+        return
+    t0 = time.perf_counter()
+    n = 0
+    for piece in handle.generate(ids[0], stream=True, **_gen_kwargs(args)):
+        print(piece, end="", flush=True)
+        n += 1
+    print(f"\n[{n} pieces in {time.perf_counter() - t0:.2f} s]", file=sys.stderr)
+
+
+def _run_interactive(handle, args: argparse.Namespace) -> None:
+    from dsv3_jax.chat import encode_chat
+
+    history: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
+    print("interactive chat: empty line or Ctrl-D quits, /reset clears the history", file=sys.stderr)
+    while True:
+        try:
+            user = input("you> ")
+        except EOFError:
+            break
+        if not user.strip():
+            break
+        if user.strip() == "/reset":
+            history = history[:1] if args.system else []
+            continue
+        history.append({"role": "user", "content": user})
+        ids = encode_chat(handle.tokenizer, history, add_generation_prompt=True, thinking=args.thinking)
+        print("assistant> ", end="", flush=True)
+        reply = "".join(print(p, end="", flush=True) or p
+                        for p in handle.generate(ids, stream=True, **_gen_kwargs(args)))
+        print()
+        history.append({"role": "assistant", "content": reply})
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.max_new_tokens < 1:
+            raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+        handle = _load(args)
+        if handle.tokenizer is None:
+            raise ValueError(f"{args.ckpt}: no tokenizer.json in the checkpoint; the CLI needs one")
+        if args.interactive:
+            _run_interactive(handle, args)
+        else:
+            _run_batch(handle, args)
+    except (ValueError, FileNotFoundError, ConfigError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
