@@ -157,11 +157,11 @@ def _kernel_body(
             mi = lin // n_tiles
             ni = lin % n_tiles
             g = meta_gmem[0, mi]
-            row0 = meta_gmem[1, mi]
+            row0 = pl.multiple_of(meta_gmem[1, mi], tm)  # tiles start on tile_m boundaries
             lo = meta_gmem[2, mi]
             hi = meta_gmem[3, mi]
             if cfg.wg_split == "m":
-                wg_rows = pl.ds(wg * _WG_M, _WG_M)
+                wg_rows = pl.ds(pl.multiple_of(wg * _WG_M, _WG_M), _WG_M)
                 wg_row0 = row0 + wg * _WG_M
                 n_blk = ni
                 col0 = ni * tn
@@ -206,7 +206,7 @@ def _kernel_body(
                     if cfg.wg_split == "m":
                         b = w_smem.transpose((1, 0))
                     else:
-                        b = w_smem.at[pl.ds(wg * _WG_N, _WG_N)].transpose((1, 0))
+                        b = w_smem.at[pl.ds(pl.multiple_of(wg * _WG_N, _WG_N), _WG_N)].transpose((1, 0))
 
                     def block_product(acc_ref):
                         plgpu.wgmma(acc_ref, x_smem.at[wg_rows], b)
