@@ -208,13 +208,15 @@ def _kernel_body(
                     else:
                         b = w_smem.at[pl.ds(pl.multiple_of(wg * _WG_N, _WG_N), _WG_N)].transpose((1, 0))
 
+                    # Scales are loaded before the wgmma is issued so their latency hides behind it.
+                    x_scale = plgpu.load(xs_smem.at[0, wg_rows], layout=plgpu.Layout.WGMMA.reduce(1))
+                    scale = x_scale * ws_gmem[g, n_blk, k]
+
                     def block_product(acc_ref):
                         plgpu.wgmma(acc_ref, x_smem.at[wg_rows], b)
                         return acc_ref[...]
 
                     part = pl.run_scoped(block_product, plgpu.ACC((_WG_M, _WG_N), jnp.float32))
-                    x_scale = plgpu.load(xs_smem.at[0, wg_rows], layout=plgpu.Layout.WGMMA.reduce(1))
-                    scale = x_scale * ws_gmem[g, n_blk, k]
                     return acc + part * lax.broadcast_in_dim(scale, (_WG_M, _WG_N), [0])
 
                 make_pipeline(step, ctx)(
