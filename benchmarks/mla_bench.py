@@ -94,7 +94,7 @@ def bench_decode(args, results: list, deadline: float) -> None:
                 print(f"{h:>4} {b:>4} {s:>6} | {tk['median_ms']:>9.4f} {tk['tflops']:>6.1f} "
                       f"{tk['gbps']:>6.0f} | {tr['median_ms']:>8.4f} {tr['tflops']:>6.1f} "
                       f"{tr['gbps']:>6.0f} | "
-                      f"{tr['median_ms'] / tk['median_ms']:>7.2f} {err if err is None else f'{err:.1e}':>8}"
+                      f"{tr['median_ms'] / tk['median_ms']:>7.2f} {'-' if err is None else f'{err:.1e}':>8}"
                       f"{'  NaN!' if nan else ''}", flush=True)
                 del inp, out, lse
 
