@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from pathlib import Path
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -19,11 +19,11 @@ import numpy as np
 
 from dsv3_jax import checkpoint
 from dsv3_jax.attention import ATTENTION_FORMS
+from dsv3_jax.config import ModelConfig
 from dsv3_jax.decode import Decoder, GenerationResult, make_sampling
+from dsv3_jax.model import Transformer
 from dsv3_jax.sampling import load_generation_defaults
 from dsv3_jax.tokenizer import Tokenizer
-from dsv3_jax.config import ModelConfig
-from dsv3_jax.model import Transformer
 
 
 @dataclasses.dataclass
