@@ -137,11 +137,14 @@ def bench_case(name, m, k, n, load, configs, results, torch_peers: bool, ragged_
             results.append({"case": name, "variant": f"pallas fp8 {cfg}", "error": str(ex)[:500]})
         del f
     if ragged_iters:
-        wb = (wq.astype(jnp.bfloat16)).swapaxes(1, 2)  # [E, K, N] bf16
-        f = jax.jit(lambda a, b, g: jax.lax.ragged_dot(a, b, g))
-        ms = time_jax(f, x, wb, gs_j, iters=ragged_iters, warmup=1)
-        results.append(row(name, "jax.lax.ragged_dot bf16", ms, flops, 2 * wbytes))
-        del wb
+        try:
+            wb = (wq.astype(jnp.bfloat16)).swapaxes(1, 2)  # [E, K, N] bf16
+            f = jax.jit(lambda a, b, g: jax.lax.ragged_dot(a, b, g))
+            ms = time_jax(f, x, wb, gs_j, iters=ragged_iters, warmup=1)
+            results.append(row(name, "jax.lax.ragged_dot bf16", ms, flops, 2 * wbytes))
+            del wb
+        except Exception as ex:  # noqa: BLE001
+            print(f"{name}: ragged_dot FAILED: {str(ex)[:300]}", flush=True)
     if torch_peers:
         torch_case(name, x, xq, xs, wq, gs, flops, wbytes, results)
 
@@ -201,7 +204,7 @@ def main() -> None:
     meta = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "date": "2026-12-02"}
     print(meta, flush=True)
     torch_peers = not (args.no_torch or args.quick)
-    prefill_cfgs = [PREFILL_CONFIG, Fp8GemmConfig("m", 6)]
+    prefill_cfgs = [PREFILL_CONFIG, Fp8GemmConfig("m", 5), Fp8GemmConfig("n", 4)]
     decode_cfgs = [DECODE_CONFIG, Fp8GemmConfig("m", 4)]
     if args.quick:
         prefill_cfgs, decode_cfgs = [PREFILL_CONFIG], [DECODE_CONFIG]
@@ -213,7 +216,7 @@ def main() -> None:
     for shape, (k, n) in SHAPES.items():
         for load in ("uniform", "skewed"):
             bench_case(f"prefill {shape} M=65536 {load}", 65536, k, n, load, prefill_cfgs, results,
-                       torch_peers, ragged_iters=0 if args.quick or load == "skewed" else 2)
+                       torch_peers, ragged_iters=0)  # XLA densifies: 224 GB, OOM
             save(args.out, meta, results)
             if args.quick:
                 break

@@ -63,7 +63,7 @@ class Fp8GemmConfig:
 
 
 PREFILL_CONFIG = Fp8GemmConfig(wg_split="m", max_concurrent_steps=4)
-DECODE_CONFIG = Fp8GemmConfig(wg_split="n", max_concurrent_steps=6)
+DECODE_CONFIG = Fp8GemmConfig(wg_split="n", max_concurrent_steps=4)  # 6 stages exceed 227 KiB smem
 
 
 def default_config(num_rows: int, num_groups: int) -> Fp8GemmConfig:
