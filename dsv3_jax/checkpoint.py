@@ -75,9 +75,71 @@ def tree_is_fp8(tree: dict[str, Any]) -> bool:
     return any(x.dtype == FP8 for x in jax.tree_util.tree_leaves(tree))
 
 
-def load_params(path: str | Path, cfg: ModelConfig, *, dtype: jnp.dtype) -> dict[str, Any]:
-    """The parameter tree of a checkpoint directory: a converted (Orbax) one or an HF one."""
+def _keeps_dtype(path: tuple[str, ...], stored: str) -> bool:
+    """FP8 weights, their fp32 scales and the fp32 router bias are restored as stored (cf. cast_tree)."""
+    return stored == "float8_e4m3fn" or path[-1].endswith("scale") or path[-1] == "e_score_correction_bias"
+
+
+def load_converted(path: str | Path, cfg: ModelConfig, *, dtype: jnp.dtype,
+                   shardings: Any = None) -> dict[str, Any]:
+    """The parameter tree (jax.Arrays) of a directory written by `convert`, restored with Orbax.
+
+    `shardings`: None (every leaf on the default device), one `jax.sharding.Sharding` for all leaves,
+    or a nested dict shaped like the parameter tree. Each process reads only the chunks its devices
+    hold. Leaves are restored in `dtype` except FP8 weights, scales and the router bias. The MTP leaves
+    are skipped when `cfg.num_nextn_predict_layers` is 0.
+    """
+    from convert import orbax_io
+
     path = Path(path)
+    marker = path / COMPLETE_MARKER
+    if not marker.exists():
+        raise CheckpointError(f"{path}: no {COMPLETE_MARKER}: not a complete converted checkpoint (an "
+                              "interrupted conversion never has one; rerun the converter with --resume)")
+    try:
+        manifest = json.loads(marker.read_text())
+        leaves = {tuple(name.split(".")): (tuple(shape), dt) for name, (shape, dt, _) in
+                  manifest["leaves"].items()}
+        root = path / manifest["params_dir"]
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{marker}: unreadable manifest ({e!r})") from e
+    if not cfg.num_nextn_predict_layers:
+        leaves = {p: v for p, v in leaves.items() if p[0] != "mtp"}
+    elif not any(p[0] == "mtp" for p in leaves):
+        raise CheckpointError(f"{path}: config declares an MTP layer but the checkpoint has none")
+
+    def sharding_of(p: tuple[str, ...]) -> Any:
+        if shardings is None:
+            return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        if isinstance(shardings, jax.sharding.Sharding):
+            return shardings
+        node = shardings
+        for k in p:
+            if not isinstance(node, dict) or k not in node:
+                raise CheckpointError(f"shardings has no entry for parameter {'/'.join(p)}")
+            node = node[k]
+        return node
+
+    want = {p: (shape, jnp.dtype(dt) if _keeps_dtype(p, dt) else jnp.dtype(dtype))
+            for p, (shape, dt) in leaves.items()}
+    return orbax_io.restore(root, want, {p: sharding_of(p) for p in want})
+
+
+def load_params(path: str | Path, cfg: ModelConfig, *, dtype: jnp.dtype,
+                shardings: Any = None) -> dict[str, Any]:
+    """The parameter tree of a checkpoint directory: a converted (Orbax) one or an HF one.
+
+    A converted directory is recognized by its manifest (written last by the converter); a directory
+    holding converter output without it (an interrupted run) is refused. `shardings` as in
+    `load_converted` (None: default device; HF trees are placed with `jax.device_put`).
+    """
+    path = Path(path)
+    if (path / COMPLETE_MARKER).exists():
+        return load_converted(path, cfg, dtype=dtype, shardings=shardings)
+    if (path / "params").is_dir() or (path / "convert_plan.json").exists():
+        raise CheckpointError(f"{path}: an incomplete converted checkpoint (no {COMPLETE_MARKER}; the "
+                              "conversion was interrupted): rerun the converter with --resume")
     if (path / "model.safetensors.index.json").exists() or (path / "model.safetensors").exists():
-        return load_hf_params(path, cfg, dtype=dtype)
+        tree = load_hf_params(path, cfg, dtype=dtype)
+        return tree if shardings is None else jax.device_put(tree, shardings)
     raise CheckpointError(f"{path}: neither a converted checkpoint nor an HF safetensors directory")

@@ -1,0 +1,483 @@
+"""HF safetensors shards -> converted checkpoint (Orbax params + config + tokenizer + manifest).
+
+Owns: planning the conversion (which tree leaf each HF tensor fills, in which dtype: copy, cast, FP8
+quantize or dequantize), running it in resumable units (one unit = one leaf's slab for one layer, or an
+unstacked leaf), streaming each tensor in row slabs so memory is bounded by a few slabs per worker, the
+temporary sibling directory with its plan and journal, the final rename, the manifest (written last:
+its presence is what makes a directory loadable) and the run's report. Validation lives in
+validate.py, the array store in orbax_io.py, FP8 arithmetic in fp8_blocks.py.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import copy
+import dataclasses
+import json
+import os
+import re
+import resource
+import shutil
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import psutil
+
+from convert import fp8_blocks, hf_names, orbax_io
+from convert.orbax_io import ChunkPolicy, LeafPath
+from convert.safetensors_io import DTYPES, SafetensorsError, TensorInfo, read_tensor
+from convert.validate import Source, inspect_source
+from dsv3_jax.checkpoint import COMPLETE_MARKER
+from dsv3_jax.config import ModelConfig
+
+CONVERTER_VERSION = "1.0"
+MANIFEST_FORMAT = "dsv3-jax-converted/1"
+PLAN = "convert_plan.json"
+JOURNAL = "convert_progress.jsonl"
+OUT_DTYPES = ("auto", "bf16", "fp8")
+EXTRA_FILES = ("generation_config.json", "tokenizer*", "special_tokens_map.json", "chat_template*")
+# Test hook: seconds to sleep after each unit, so a test can SIGKILL a conversion half-way.
+TEST_DELAY_ENV = "DSV3_CONVERT_TEST_UNIT_DELAY"
+BF16 = np.dtype(ml_dtypes.bfloat16)
+F32 = np.dtype(np.float32)
+_HP = {"bfloat16": BF16, "float32": F32, "float16": np.dtype(np.float16)}
+
+
+class ConvertError(ValueError):
+    """The conversion cannot start or continue (destination exists, stale partial run, bad option)."""
+
+
+@dataclasses.dataclass
+class LeafPlan:
+    """One output leaf: where its data comes from and how it is stored."""
+
+    path: LeafPath
+    kind: str  # cast | fp8_copy | dequantize | quantize | scale (the companion of an FP8 weight)
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    chunks: tuple[int, ...]
+    whole: bool  # one chunk per layer slab, assembled in memory and written once
+    n_lead: int  # stacking dims in front (layers, experts)
+    entries: list[tuple[str, tuple[int, ...]]]
+    scale: LeafPlan | None = None
+
+
+@dataclasses.dataclass
+class Unit:
+    """The resumable unit of work: one leaf (with its scale companion) for one layer."""
+
+    leaf: LeafPlan
+    layer: int | None
+    entries: list[tuple[str, tuple[int, ...]]]
+    nbytes: int
+
+    @property
+    def id(self) -> str:
+        return orbax_io.leaf_name(self.leaf.path) + ("" if self.layer is None else f"@{self.layer}")
+
+
+@dataclasses.dataclass
+class ConvertReport:
+    """What a conversion did; `table()` is the closing summary the CLI prints."""
+
+    src: str
+    dst: str
+    dtype: str
+    tensors: int
+    leaves: int
+    bytes_in: int
+    bytes_out: int
+    seconds: float
+    peak_rss: int
+    baseline_rss: int
+    units: int
+    units_resumed: int
+    notes: list[str]
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes_in / max(self.seconds, 1e-9) / 1e9
+
+    def table(self) -> str:
+        rows = [("source", self.src), ("destination", f"{self.dst} ({self.dtype})"),
+                ("tensors", f"{self.tensors:,} -> {self.leaves} leaves"),
+                ("bytes in", f"{self.bytes_in / 1e9:,.3f} GB"),
+                ("bytes out", f"{self.bytes_out / 1e9:,.3f} GB"),
+                ("time", f"{self.seconds:,.1f} s"), ("throughput", f"{self.gb_per_s:,.2f} GB/s (bytes in)"),
+                ("peak RSS", f"{self.peak_rss / 2**20:,.0f} MiB "
+                             f"(at start {self.baseline_rss / 2**20:,.0f} MiB)"),
+                ("units", f"{self.units} ({self.units_resumed} already done, resumed)" if self.units_resumed
+                 else f"{self.units}")]
+        w = max(len(k) for k, _ in rows)
+        line = "-" * (w + 3 + max(len(v) for _, v in rows))
+        out = ["dsv3-convert summary", line, *(f"{k:<{w}}   {v}" for k, v in rows), line]
+        out += [f"note: {n}" for n in self.notes]
+        return "\n".join(out)
+
+
+# ------------------------------------------------------------------------------------------ planning
+def _is_scale(path: LeafPath) -> bool:
+    return path[-1] == "scale" or path[-1].endswith("_scale")
+
+
+def scale_path(path: LeafPath) -> LeafPath:
+    """The tree path of a weight leaf's FP8 scale: .../weight -> .../scale, <proj>_weight -> <proj>_scale."""
+    last = path[-1]
+    return (*path[:-1], "scale" if last == "weight" else last[: -len("weight")] + "scale")
+
+
+def _scale_name(weight_name: str) -> str:
+    return weight_name[: -len("weight")] + "weight_scale_inv"
+
+
+def plan_leaves(src: Source, out_dtype: str, policy: ChunkPolicy) -> list[LeafPlan]:
+    """Every output leaf of converting `src` to `out_dtype` (auto | bf16 | fp8)."""
+    cfg = src.cfg
+    order = sorted(src.tensors, key=lambda n: (src.tensors[n].file.name, src.tensors[n].start))
+    groups = hf_names.leaf_groups(cfg, order)
+    quantizable = {hf_names.hf_target(n, cfg).path
+                   for n, (_, dt) in hf_names.expected_hf_tensors(cfg, fp8=True).items() if dt == "F8_E4M3"}
+    out_fp8 = out_dtype == "fp8" or (out_dtype == "auto" and src.fp8)
+    hp = BF16 if out_dtype == "bf16" else _HP[cfg.dtype]
+    plans = []
+    for path, entries in groups.items():
+        if _is_scale(path):
+            continue  # planned with its weight
+        first = src.tensors[entries[0][0]]
+        shape = hf_names.leaf_shape(cfg, path, entries, first.shape)
+        n_lead = len(shape) - len(first.shape)
+        if first.dtype == "F8_E4M3":
+            kind = "fp8_copy" if out_fp8 else "dequantize"
+        elif out_dtype == "fp8" and path in quantizable:
+            kind = "quantize"
+        else:
+            kind = "cast"
+        if kind in ("fp8_copy", "quantize"):
+            dtype = fp8_blocks.FP8
+        elif path[-1] == "e_score_correction_bias":
+            dtype = DTYPES[first.dtype]  # the router bias stays fp32, as in the official checkpoints
+        else:
+            dtype = hp
+        chunks, whole = orbax_io.chunks_for(shape, n_lead, dtype.itemsize, policy)
+        leaf = LeafPlan(path, kind, shape, dtype, chunks, whole, n_lead, entries)
+        if kind in ("fp8_copy", "quantize"):
+            sshape = (*shape[:n_lead], *(fp8_blocks.n_blocks(s) for s in first.shape))
+            schunks, _ = orbax_io.chunks_for(sshape, n_lead, 4, policy, whole=True)
+            leaf.scale = LeafPlan(scale_path(path), "scale", sshape, F32, schunks, True, n_lead, entries)
+        plans.append(leaf)
+    return plans
+
+
+def make_units(src: Source, leaves: list[LeafPlan]) -> list[Unit]:
+    """Split leaves into per-layer units, ordered by where their first tensor lies in the source."""
+    units = []
+    for leaf in leaves:
+        by_layer: dict[int | None, list] = {}
+        for name, ix in leaf.entries:
+            by_layer.setdefault(ix[0] if leaf.n_lead else None, []).append((name, ix))
+        for layer, entries in by_layer.items():
+            n = sum(src.tensors[name].nbytes for name, _ in entries)
+            if leaf.kind in ("fp8_copy", "dequantize"):
+                n += sum(src.tensors[_scale_name(name)].nbytes for name, _ in entries)
+            units.append(Unit(leaf, layer, entries, n))
+
+    def where(u: Unit) -> tuple[str, int]:
+        t = min((src.tensors[n] for n, _ in u.entries), key=lambda t: (t.file.name, t.start))
+        return t.file.name, t.start
+
+    return sorted(units, key=where)
+
+
+def output_config(src: Source, out_fp8: bool, hp: str, ue8m0: bool) -> dict[str, Any]:
+    """The destination's config.json: the source's, with dtype, quantization and MTP made true."""
+    d = copy.deepcopy(src.config)
+    if out_fp8 and not src.fp8:
+        d["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                    "weight_block_size": [128, 128]}
+        if ue8m0:
+            d["quantization_config"]["scale_fmt"] = "ue8m0"
+    elif not out_fp8:
+        d.pop("quantization_config", None)
+    d["torch_dtype"] = hp
+    if "dtype" in d:
+        d["dtype"] = hp
+    if not src.has_mtp and src.cfg.num_nextn_predict_layers:
+        d["num_nextn_predict_layers"] = 0
+    ModelConfig.from_hf_dict(d)  # must stay readable
+    return d
+
+
+# ------------------------------------------------------------------------------------------ one unit
+def _read_rows(info: TensorInfo, r0: int, r1: int) -> np.ndarray:
+    """Rows [r0, r1) of a tensor (axis 0), read straight from the file."""
+    dt = DTYPES[info.dtype]
+    row = int(np.prod(info.shape[1:], dtype=np.int64))
+    count = (r1 - r0) * row
+    with open(info.file, "rb") as f:
+        f.seek(info.start + r0 * row * dt.itemsize)
+        a = np.fromfile(f, dtype=dt, count=count)
+    if a.size != count:
+        raise SafetensorsError(f"{info.file}: truncated while reading tensor {info.name!r}")
+    return a.reshape((r1 - r0, *info.shape[1:]))
+
+
+def _row_slabs(shape: tuple[int, ...], rows: int) -> list[tuple[int, int]]:
+    if len(shape) != 2:
+        return [(0, shape[0] if shape else 1)]
+    return [(r, min(r + rows, shape[0])) for r in range(0, shape[0], rows)]
+
+
+class _Sink:
+    """Receives one unit's row slabs for one leaf: buffers a whole slab, or writes tile rows directly."""
+
+    def __init__(self, store, leaf: LeafPlan, layer: int | None):
+        self.store, self.layer = store, layer
+        inner = leaf.shape[1:] if leaf.n_lead else leaf.shape
+        self.buf = np.empty(inner, leaf.dtype) if leaf.whole else None
+        self.bytes = 0
+
+    def put(self, sub: tuple[int, ...], r0: int, r1: int, block: np.ndarray) -> None:
+        self.bytes += block.nbytes
+        if self.buf is not None:
+            self.buf[sub][r0:r1] = block
+        else:
+            lead = () if self.layer is None else (self.layer,)
+            self.store[(*lead, *sub, slice(r0, r1))].write(block).result()
+
+    def close(self) -> None:
+        if self.buf is not None:
+            (self.store if self.layer is None else self.store[self.layer]).write(self.buf).result()
+            self.buf = None
+
+
+def run_unit(unit: Unit, src: Source, stores: dict[LeafPath, Any], policy: ChunkPolicy, *,
+             ue8m0: bool, check_ue8m0: bool) -> tuple[int, list[str]]:
+    """Convert one unit; returns (bytes written, names of scales that are not powers of two)."""
+    leaf = unit.leaf
+    w = _Sink(stores[leaf.path], leaf, unit.layer)
+    s = _Sink(stores[leaf.scale.path], leaf.scale, unit.layer) if leaf.scale else None
+    odd: list[str] = []
+    for name, ix in sorted(unit.entries, key=lambda e: src.tensors[e[0]].start):
+        sub = ix[1:] if leaf.n_lead else ix
+        info = src.tensors[name]
+        scale = None
+        if leaf.kind in ("fp8_copy", "dequantize"):
+            scale = read_tensor(src.tensors[_scale_name(name)])
+            if check_ue8m0 and not fp8_blocks.is_power_of_two(scale).all():
+                odd.append(_scale_name(name))
+            if s is not None:
+                s.put(sub, 0, scale.shape[0], scale)
+        for r0, r1 in _row_slabs(info.shape, policy.rows):
+            x = _read_rows(info, r0, r1)
+            b0, b1 = r0 // fp8_blocks.BLOCK, fp8_blocks.n_blocks(r1)
+            if leaf.kind == "dequantize":
+                x = fp8_blocks.dequantize(x, scale[b0:b1], leaf.dtype)
+            elif leaf.kind == "quantize":
+                x, sc = fp8_blocks.quantize(x, ue8m0=ue8m0)
+                s.put(sub, b0, b1, sc)
+            elif x.dtype != leaf.dtype:
+                x = x.astype(leaf.dtype)
+            w.put(sub, r0, r1, x)
+    w.close()
+    if s is not None:
+        s.close()
+    return w.bytes + (s.bytes if s else 0), odd
+
+
+# ------------------------------------------------------------------------------------------ the run
+def _temp_dir(dst: Path) -> Path:
+    return dst.parent / f".{dst.name}.converting"
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    """Write atomically and durably (tmp + fsync + rename)."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _journal_done(tmp: Path) -> set[str]:
+    done = set()
+    if (tmp / JOURNAL).exists():
+        for line in (tmp / JOURNAL).read_text().splitlines():
+            try:
+                done.add(json.loads(line)["unit"])
+            except (json.JSONDecodeError, KeyError, TypeError):
+                continue  # a line cut by the kill: that unit is simply redone
+    return done
+
+
+def _group_odd_scales(names: list[str]) -> str:
+    kinds = Counter(re.sub(r"\.\d+\.", ".*.", n) for n in names)
+    return ", ".join(f"{k} ({v})" for k, v in sorted(kinds.items()))
+
+
+def convert(src: str | Path, dst: str | Path, *, dtype: str = "auto", ue8m0: bool = False,
+            include_mtp: bool = True, workers: int = 2, force: bool = False, resume: bool = False,
+            progress: bool = True, policy: ChunkPolicy | None = None) -> ConvertReport:
+    """Convert the HF directory `src` into the checkpoint directory `dst`.
+
+    dtype: "auto" keeps what the source has (FP8 stays e4m3 + scales), "bf16" dequantizes/casts to
+    bfloat16, "fp8" quantizes a high-precision source into 128x128 blocks (`ue8m0`: power-of-two
+    scales). The whole source is validated before anything is written (`ValidationError`). Work goes to
+    a hidden sibling of `dst` renamed into place at the end; `resume` continues an interrupted run;
+    `force` replaces an existing `dst` (only once the new one is complete).
+    """
+    t0 = time.perf_counter()
+    baseline = psutil.Process().memory_info().rss
+    policy = policy or ChunkPolicy()
+    if dtype not in OUT_DTYPES:
+        raise ValueError(f"dtype must be one of {OUT_DTYPES}, got {dtype!r}")
+    if not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"workers must be a positive integer, got {workers!r}")
+    src, dst = Path(src), Path(dst)
+    if dst.exists() and dst.resolve() == src.resolve():
+        raise ConvertError(f"destination {dst} is the source directory")
+    if dst.exists() and not force:
+        raise ConvertError(f"destination {dst} already exists; pass --force to replace it")
+    tmp = _temp_dir(dst)
+    if tmp.exists() and not (resume or force):
+        raise ConvertError(f"{tmp} holds an interrupted conversion: pass --resume to continue it "
+                           "or --force to start over")
+
+    source = inspect_source(src, include_mtp=include_mtp)  # raises before anything is written
+    notes = list(source.notes)
+    out_fp8 = dtype == "fp8" or (dtype == "auto" and source.fp8)
+    quantizing = dtype == "fp8" and not source.fp8
+    if ue8m0 and not quantizing:
+        notes.append("--ue8m0 applies only when quantizing a high-precision source; ignored")
+        ue8m0 = False
+    hp = "bfloat16" if dtype == "bf16" else source.cfg.dtype
+    leaves = plan_leaves(source, dtype, policy)
+    all_leaves = [x for leaf in leaves for x in (leaf, leaf.scale) if x is not None]
+    config = output_config(source, out_fp8, hp, ue8m0)
+    out_name = "float8_e4m3fn" if out_fp8 else hp
+    plan_doc = {"converter_version": CONVERTER_VERSION, "source": source.fingerprint(),
+                "options": {"dtype": dtype, "ue8m0": ue8m0, "include_mtp": include_mtp,
+                            "policy": dataclasses.asdict(policy)},
+                "leaves": {orbax_io.leaf_name(x.path): [list(x.shape), orbax_io.DTYPE_NAMES[x.dtype],
+                                                        list(x.chunks)] for x in all_leaves}}
+
+    done: set[str] = set()
+    if tmp.exists() and resume:
+        if (tmp / COMPLETE_MARKER).exists():  # killed between the manifest and the rename
+            return _finish_rename(tmp, dst, force, _load_report(tmp, t0, baseline))
+        old = json.loads((tmp / PLAN).read_text()) if (tmp / PLAN).exists() else None
+        if old != plan_doc:
+            raise ConvertError(f"{tmp} was started with a different source or options; rerun those, or "
+                               "pass --force to start over")
+        done = _journal_done(tmp)
+    elif tmp.exists():
+        shutil.rmtree(tmp)
+    params = tmp / orbax_io.PARAMS_DIR
+    if not tmp.exists():
+        params.mkdir(parents=True)
+        _write_json(tmp / PLAN, plan_doc)
+    stores = {x.path: orbax_io.open_leaf(params, x.path, x.shape, x.dtype, x.chunks) for x in all_leaves}
+
+    units = make_units(source, leaves)
+    todo = [u for u in units if u.id not in done]
+    check = source.fp8 and source.cfg.quantization.scale_fmt == "ue8m0"
+    odd: list[str] = []
+    n_tensors = len(source.tensors)
+    tensors_done = sum(len(u.entries) * (2 if u.leaf.kind in ("fp8_copy", "dequantize") else 1)
+                       for u in units if u.id in done)
+    delay = float(os.environ.get(TEST_DELAY_ENV, "0") or 0)
+
+    def work(u: Unit) -> tuple[int, list[str]]:
+        r = run_unit(u, source, stores, policy, ue8m0=ue8m0, check_ue8m0=check)
+        if delay:
+            time.sleep(delay)
+        return r
+
+    from tqdm import tqdm
+
+    bar = tqdm(total=sum(u.nbytes for u in units), initial=sum(u.nbytes for u in units if u.id in done),
+               unit="B", unit_scale=True, desc="converting", disable=not progress, file=sys.stderr,
+               dynamic_ncols=True)
+    bar.set_postfix_str(f"tensors {tensors_done}/{n_tensors}")
+    with open(tmp / JOURNAL, "a") as journal, cf.ThreadPoolExecutor(workers) as pool:
+        futures = {pool.submit(work, u): u for u in todo}
+        try:
+            for fut in cf.as_completed(futures):
+                u = futures[fut]
+                _, bad = fut.result()
+                odd += bad
+                journal.write(json.dumps({"unit": u.id}) + "\n")
+                journal.flush()
+                os.fsync(journal.fileno())
+                tensors_done += len(u.entries) * (2 if u.leaf.kind in ("fp8_copy", "dequantize") else 1)
+                bar.update(u.nbytes)
+                bar.set_postfix_str(f"tensors {tensors_done}/{n_tensors}")
+        except BaseException:
+            pool.shutdown(wait=True, cancel_futures=True)
+            bar.close()
+            raise
+    bar.close()
+
+    if check and done:  # units done before an interruption were checked then; check their scales again
+        odd += [_scale_name(n) for u in units if u.id in done for n, _ in u.entries
+                if not fp8_blocks.is_power_of_two(read_tensor(source.tensors[_scale_name(n)])).all()]
+    if odd:
+        notes.append(f"{len(odd)} weight_scale_inv tensors are not powers of two although config.json "
+                     f"declares scale_fmt ue8m0: {_group_odd_scales(odd)}. Kept as exact fp32 scales "
+                     "(the loader applies any fp32 scale), so the model is unchanged")
+
+    # ---- finish: Orbax metadata, config and tokenizer files, manifest last, then the rename
+    orbax_io.write_tree_metadata(params, {x.path: x.shape for x in all_leaves})
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    copied = []
+    for pattern in EXTRA_FILES:
+        for f in sorted(source.root.glob(pattern)):
+            if f.is_file():
+                shutil.copyfile(f, tmp / f.name)
+                copied.append(f.name)
+    bytes_out = sum(int(np.prod(x.shape, dtype=np.int64)) * x.dtype.itemsize for x in all_leaves)
+    report = ConvertReport(str(src), str(dst), out_name, n_tensors, len(all_leaves), source.nbytes,
+                           bytes_out, 0.0, 0, baseline, len(units), len(units) - len(todo), notes)
+    for f in (PLAN, JOURNAL):
+        (tmp / f).unlink(missing_ok=True)
+    manifest = {
+        "format": MANIFEST_FORMAT, "converter_version": CONVERTER_VERSION,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "source": {"path": str(source.root.resolve()), "files": source.fingerprint(),
+                   "tensors": n_tensors, "bytes": source.nbytes, "fp8": source.fp8,
+                   "mtp": source.has_mtp},
+        "options": plan_doc["options"], "dtype": out_name, "params_dir": orbax_io.PARAMS_DIR,
+        "leaves": plan_doc["leaves"], "bytes": bytes_out, "copied_files": copied,
+        "ue8m0_nonconformant_scales": sorted(odd), "notes": notes,
+    }
+    _write_json(tmp / COMPLETE_MARKER, manifest)
+    return _finish_rename(tmp, dst, force, report, t0)
+
+
+def _load_report(tmp: Path, t0: float, baseline: int) -> ConvertReport:
+    m = json.loads((tmp / COMPLETE_MARKER).read_text())
+    return ConvertReport(m["source"]["path"], "", m["dtype"], m["source"]["tensors"], len(m["leaves"]),
+                         m["source"]["bytes"], m["bytes"], 0.0, 0, baseline, 0, 0, m["notes"])
+
+
+def _finish_rename(tmp: Path, dst: Path, force: bool, report: ConvertReport,
+                   t0: float | None = None) -> ConvertReport:
+    if dst.exists():
+        if not force:
+            raise ConvertError(f"destination {dst} already exists; pass --force to replace it")
+        old = dst.parent / f".{dst.name}.replaced-{os.getpid()}"
+        os.rename(dst, old)
+        os.rename(tmp, dst)
+        shutil.rmtree(old)
+    else:
+        os.rename(tmp, dst)
+    report.dst = str(dst)
+    if t0 is not None:
+        report.seconds = time.perf_counter() - t0
+    report.peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return report
