@@ -3,16 +3,29 @@
 Owns: expert selection and weights (`route`), token permutation by expert, the grouped matmuls
 (through `kernels.grouped_matmul`: the FP8 Pallas kernel on Hopper, `ragged_dot` elsewhere) and the
 weighted un-permutation. Only the chosen experts' work is computed. Expert weights are stacked [E, ...]
-in the HF [out, in] layout. Must not know about meshes (sharding.py wraps this in shard_map).
+in the HF [out, in] layout.
+
+Expert parallelism (`expert_parallel`): under `jax.set_mesh(mesh)` with a mesh from sharding.py, the
+routed experts run inside `shard_map` with explicit collectives; without a mesh (or a 1-device mesh) the
+single-device path (`routed_experts` on all tokens) runs unchanged. How the MoE learns the mesh: it
+reads `jax.sharding.get_abstract_mesh()` at trace time, i.e. the mesh the *caller* set with
+`jax.set_mesh` around tracing (ModelHandle does this). Which array lives where comes from sharding.py's
+tables; this module owns only the collectives.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import math
+from collections.abc import Iterator
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
-from dsv3_jax import kernels
+from dsv3_jax import kernels, sharding
 from dsv3_jax.config import ModelConfig
 from dsv3_jax.layers import MLP
 
@@ -65,6 +78,132 @@ def routed_experts(x: jax.Array, weights: jax.Array, idx: jax.Array, experts: di
     return jnp.zeros_like(x).at[token].add(y)
 
 
+# ------------------------------------------------------------------------------- expert parallelism
+# Which dispatch runs when (decided at trace time from static shapes, or forced with `dispatch(...)`):
+# - "all_gather" when an expert group holds at most ALL_GATHER_MAX_TOKENS tokens (decode): every device
+#   gathers the group's tokens, runs its own experts on the (token, choice) pairs that chose them, and a
+#   reduce-scatter returns each token's partial sums to its owner. No capacity, nothing to drop; bytes
+#   on the wire ~ ep x tokens x D each way, which for DeepSeek (k = 8 = ep) equals the all-to-all's.
+# - "all_to_all" above that (prefill): each (token, choice) pair is sent only to the device owning its
+#   expert, in a capacity-bounded buffer of C rows per (source, destination) pair, C = CAPACITY_FACTOR x
+#   the balanced load; results come back by a second all-to-all. If any pair of devices would exceed C
+#   (checked on every call, collectively), the whole layer falls back to the all-gather path for that
+#   call, so no token is ever dropped. If C reaches the worst case, the check is skipped.
+ALL_GATHER_MAX_TOKENS = 1024
+CAPACITY_FACTOR = 2.0
+DISPATCH_MODES = ("auto", "all_gather", "all_to_all")
+_forced_dispatch: contextvars.ContextVar[str | None] = contextvars.ContextVar("dsv3_moe_dispatch",
+                                                                              default=None)
+
+
+@contextlib.contextmanager
+def dispatch(mode: str, capacity_factor: float | None = None) -> Iterator[None]:
+    """Trace the enclosed code with MoE dispatch `mode` (and optionally another capacity factor)."""
+    global CAPACITY_FACTOR
+    if mode not in DISPATCH_MODES:
+        raise ValueError(f"MoE dispatch must be one of {DISPATCH_MODES}, got {mode!r}")
+    if capacity_factor is not None and capacity_factor <= 0:
+        raise ValueError(f"capacity_factor must be > 0, got {capacity_factor}")
+    token, old = _forced_dispatch.set(mode), CAPACITY_FACTOR
+    CAPACITY_FACTOR = old if capacity_factor is None else capacity_factor
+    try:
+        yield
+    finally:
+        _forced_dispatch.reset(token)
+        CAPACITY_FACTOR = old
+
+
+def choose_dispatch(group_tokens: int) -> str:
+    """The dispatch for an expert group of `group_tokens` tokens (see the table above)."""
+    mode = _forced_dispatch.get() or "auto"
+    if mode != "auto":
+        return mode
+    return "all_gather" if group_tokens <= ALL_GATHER_MAX_TOKENS else "all_to_all"
+
+
+def a2a_capacity(n_local: int, k: int, ep: int, experts_per_shard: int) -> tuple[int, int]:
+    """(capacity C per source->destination pair, worst case) for the all-to-all dispatch."""
+    worst = n_local * min(k, experts_per_shard)
+    balanced = -(-n_local * k // ep)
+    cap = -(-math.ceil(CAPACITY_FACTOR * balanced) // 8) * 8
+    return min(cap, worst), worst
+
+
+def _ep_all_gather(x, w, idx, experts, e_loc: int) -> jax.Array:
+    """All-gather the group's tokens, run local experts, reduce-scatter the partial outputs."""
+    shard = jax.lax.axis_index("expert")
+    xg = jax.lax.all_gather(x, "expert", tiled=True)
+    wg = jax.lax.all_gather(w, "expert", tiled=True)
+    ig = jax.lax.all_gather(idx, "expert", tiled=True) - shard * e_loc  # foreign ids fall outside
+    y = routed_experts(xg, wg, ig, experts, e_loc)
+    return jax.lax.psum_scatter(y, "expert", scatter_dimension=0, tiled=True)
+
+
+def _ep_all_to_all(x, w, idx, experts, e_loc: int, ep: int, cap: int) -> jax.Array:
+    """Send each (token, choice) to its expert's device (C slots per destination), compute, send back."""
+    n, k = idx.shape
+    d = x.shape[-1]
+    flat = idx.reshape(-1)
+    dest = flat // e_loc
+    order = jnp.argsort(dest, stable=True)
+    counts = jnp.bincount(dest, length=ep)
+    starts = jnp.cumsum(counts) - counts
+    sdest = dest[order]
+    rank = jnp.arange(n * k) - starts[sdest]
+    valid = rank < cap
+    slot = jnp.where(valid, sdest * cap + rank, ep * cap)  # ep*cap: out of bounds, dropped by .set
+    send_x = jnp.zeros((ep * cap, d), x.dtype).at[slot].set(x[order // k], mode="drop")
+    send_e = jnp.full((ep * cap,), -1, jnp.int32).at[slot].set(flat[order] - sdest * e_loc, mode="drop")
+    recv_x = jax.lax.all_to_all(send_x, "expert", 0, 0, tiled=True)
+    recv_e = jax.lax.all_to_all(send_e, "expert", 0, 0, tiled=True)
+    # Padding slots carry id -1: routed_experts skips them.
+    y = routed_experts(recv_x, jnp.ones((ep * cap, 1), jnp.float32), recv_e[:, None], experts, e_loc)
+    back = jax.lax.all_to_all(y, "expert", 0, 0, tiled=True)
+    yp = back[jnp.minimum(slot, ep * cap - 1)].astype(jnp.float32)
+    wp = jnp.where(valid, w.reshape(-1)[order], 0.0)
+    return jnp.zeros((n, d), jnp.float32).at[order // k].add(yp * wp[:, None]).astype(x.dtype)
+
+
+def expert_parallel(x: jax.Array, weights: jax.Array, idx: jax.Array, experts: dict, num_experts: int,
+                    mesh) -> jax.Array:
+    """routed_experts on a mesh: tokens [N, D] batch-sharded over (data, expert), experts over `expert`,
+    their FFN width over `tensor` (partial sums psum'ed over tensor). Same numbers as one device.
+    """
+    sizes = sharding.axis_sizes(mesh)
+    ep = sizes["expert"]
+    e_loc = num_experts // ep
+    tok = sharding.logical_to_spec(sharding.ACTIVATION_AXES["moe_tokens"])
+    row = P(tok[0], None)
+    batch_axes = (tok[0],) if isinstance(tok[0], str) else tuple(tok[0])
+    w_specs = {name: sharding.logical_to_spec(sharding.PARAM_AXES[f"mlp/{name}_weight"])
+               for name in ("gate_proj", "up_proj", "down_proj")}
+    exp_specs = {name: {key: w_specs[name] for key in p} for name, p in experts.items()}
+    n_local = x.shape[0] // sharding.batch_multiple(mesh)
+    mode = choose_dispatch(n_local * ep)
+    cap, worst = a2a_capacity(n_local, idx.shape[1], ep, e_loc)
+
+    def body(x, w, idx, experts):
+        if ep == 1:
+            y = routed_experts(x, w, idx, experts, num_experts)
+        elif mode == "all_gather":
+            y = _ep_all_gather(x, w, idx, experts, e_loc)
+        elif cap >= worst:
+            y = _ep_all_to_all(x, w, idx, experts, e_loc, ep, cap)
+        else:
+            # Overflow anywhere -> every device falls back together (the predicate is global).
+            load = jnp.bincount(idx.reshape(-1) // e_loc, length=ep).max()
+            overflow = jax.lax.pmax(load, batch_axes) > cap  # tokens are tensor-invariant
+            y = jax.lax.cond(overflow,
+                             lambda *a: _ep_all_gather(*a, e_loc),
+                             lambda *a: _ep_all_to_all(*a, e_loc, ep, cap),
+                             x, w, idx, experts)
+        # Each device computed its FFN slice's partial sum (a no-op reduction when tensor=1).
+        return jax.lax.psum(y, "tensor")
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(tok, row, row, exp_specs), out_specs=tok)
+    return fn(x, weights, idx, experts)
+
+
 class MoE(nn.Module):
     cfg: ModelConfig
     param_dtype: jnp.dtype = jnp.float32
@@ -93,7 +232,11 @@ class MoE(nn.Module):
         logits = jnp.einsum("nd,ed->ne", xf.astype(jnp.float32), gate_w.astype(jnp.float32))
         w, idx = route(logits, bias, c)
         self.sow("intermediates", "router_choice", idx.reshape(*shape[:-1], -1))
-        out = routed_experts(xf, w, idx, experts, e)
+        mesh = jax.sharding.get_abstract_mesh()
+        if mesh.empty or math.prod(sharding.axis_sizes(mesh).values()) == 1:
+            out = routed_experts(xf, w, idx, experts, e)  # the single-device path
+        else:
+            out = expert_parallel(xf, w, idx, experts, e, mesh)
         if c.n_shared_experts:
             shared = MLP(d, i * c.n_shared_experts, self.param_dtype, self.fp8, name="shared_experts")
             out = out + shared(xf)

@@ -1,0 +1,246 @@
+"""The memory planner: will this model fit on this mesh, and how much KV cache is left?
+
+Owns: per-device byte counts derived from the *same* sharding tables the loader uses (parameter shapes
+from an abstract `Transformer.init`, never loaded; shard shapes from sharding.PARAM_AXES /
+LOGICAL_RULES), the KV budget (absorbed MLA cache: 576 values x 2 bytes x 61 layers = 70,272 B per
+token for DeepSeek-V3, each device holding whole sequences because the cache is batch-sharded), the
+`plan(...)` function `load()` calls to refuse a plan that cannot fit, and the CLI:
+
+    python -m dsv3_jax.plan --config deepseek-v3 --mesh expert=8 --dtype fp8 \\
+        --max-seq-len 131072 --device-memory 141GB
+
+Must not allocate device memory or read checkpoint data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import math
+import re
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from dsv3_jax import sharding
+from dsv3_jax.config import ModelConfig
+
+DTYPES = ("bf16", "fp8", "fp32")
+DEFAULT_RESERVE_FRACTION = 0.10  # activations, logits, XLA workspace and fragmentation
+
+
+class PlanError(ValueError):
+    """The model does not fit on the mesh (the message carries the numbers)."""
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "k": 10**3, "m": 10**6,
+          "g": 10**9, "t": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str | int) -> int:
+    """"141GB" -> 141e9, "139GiB" -> 139 * 2**30, 1000 -> 1000 (GB/G are decimal, GiB binary)."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"device memory must look like '141GB', '139GiB' or a byte count, got {text!r}")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def fmt_bytes(n: float) -> str:
+    return f"{n / 1e9:,.2f} GB ({n / 2**30:,.2f} GiB)"
+
+
+def load_config(name_or_path: str | Path) -> ModelConfig:
+    """A preset name ("deepseek-v3", "tiny") or a config.json path / checkpoint directory."""
+    from dsv3_jax.config import PRESETS
+
+    if str(name_or_path) in PRESETS:
+        return ModelConfig.preset(str(name_or_path))
+    return ModelConfig.from_json(name_or_path)
+
+
+@functools.lru_cache(maxsize=8)
+def param_shapes(cfg: ModelConfig, dtype: str = "bf16", include_mtp: bool = True) -> Any:
+    """The parameter tree as ShapeDtypeStructs (abstract init: no memory, ~3 s for the 671B model)."""
+    from dsv3_jax.model import Transformer
+
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    param_dtype = jnp.float32 if dtype == "fp32" else jnp.bfloat16
+    if dtype == "fp32" or dtype == "bf16":
+        cfg = cfg.replace(dtype="float32" if dtype == "fp32" else "bfloat16")
+    model = Transformer(cfg, param_dtype, dtype == "fp8")
+    tokens = jnp.zeros((1, 1), jnp.int32)
+    tree = jax.eval_shape(lambda: model.init(jax.random.key(0), tokens, method=model.init_all))["params"]
+    if not include_mtp:
+        tree = {k: v for k, v in tree.items() if k != "mtp"}
+    return tree
+
+
+def tree_bytes_per_device(tree: Any, specs: Any, sizes: Mapping[str, int]) -> tuple[int, int, int]:
+    """(total bytes, bytes per device, replicated bytes per device) of `tree` sharded by `specs`."""
+    total = per_dev = replicated = 0
+    for x, spec in zip(jax.tree.leaves(tree), jax.tree.leaves(specs, is_leaf=lambda s: isinstance(
+            s, jax.sharding.PartitionSpec)), strict=True):
+        item = jnp.dtype(x.dtype).itemsize
+        shard = sharding.shard_shape(x.shape, spec, sizes)
+        total += math.prod(x.shape) * item
+        per_dev += math.prod(shard) * item
+        if tuple(shard) == tuple(x.shape) and math.prod(sizes.values()) > 1:
+            replicated += math.prod(shard) * item
+    return total, per_dev, replicated
+
+
+def cache_bytes_per_device(cfg: ModelConfig, sizes: Mapping[str, int], batch: int, max_len: int,
+                           form: str = "absorbed", dtype: Any = jnp.bfloat16, mtp: bool = False) -> int:
+    """Bytes one device holds for a cache.allocate(cfg, batch, max_len, form, dtype, mtp) on this mesh."""
+    from dsv3_jax import cache as kv_cache
+
+    shapes = jax.eval_shape(lambda: kv_cache.allocate(cfg, batch, max_len, form, dtype, mtp))
+    return tree_bytes_per_device(shapes, sharding.cache_specs(shapes), sizes)[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Per-device memory for one (model, mesh, dtype, context) choice. Bytes unless noted."""
+
+    mesh: dict[str, int]
+    dtype: str
+    max_seq_len: int
+    device_memory: int
+    reserve: int
+    weight_bytes_total: int
+    weight_bytes_per_device: int
+    replicated_bytes_per_device: int
+    kv_bytes_per_token: int  # one token of one sequence, all layers (absorbed latent cache, bf16)
+    batch_shards: int  # sequences are spread over data x expert; each device holds whole sequences
+
+    @property
+    def n_devices(self) -> int:
+        return math.prod(self.mesh.values())
+
+    @property
+    def kv_bytes_per_request(self) -> int:
+        return self.kv_bytes_per_token * self.max_seq_len
+
+    @property
+    def free_bytes_per_device(self) -> int:
+        return self.device_memory - self.reserve - self.weight_bytes_per_device
+
+    @property
+    def tokens_per_device(self) -> int:
+        return max(self.free_bytes_per_device, 0) // self.kv_bytes_per_token
+
+    @property
+    def requests_per_device(self) -> int:
+        return max(self.free_bytes_per_device, 0) // self.kv_bytes_per_request
+
+    @property
+    def tokens_total(self) -> int:
+        return self.tokens_per_device * self.batch_shards
+
+    @property
+    def requests_total(self) -> int:
+        return self.requests_per_device * self.batch_shards
+
+    @property
+    def fits(self) -> bool:
+        """Weights, the reserve and at least one full-length request fit on every device."""
+        return self.requests_per_device >= 1
+
+    def summary(self) -> str:
+        m = ",".join(f"{a}={self.mesh[a]}" for a in ("data", "tensor", "expert"))
+        rows = [
+            ("mesh", f"{m} ({self.n_devices} devices, {self.batch_shards} batch shards)"),
+            ("weights dtype", self.dtype),
+            ("weights, unsharded total", fmt_bytes(self.weight_bytes_total)),
+            ("weights per device", fmt_bytes(self.weight_bytes_per_device)),
+            ("  of which replicated", fmt_bytes(self.replicated_bytes_per_device)),
+            ("device memory", fmt_bytes(self.device_memory)),
+            ("reserve (activations, workspace)", fmt_bytes(self.reserve)),
+            ("free for KV per device", fmt_bytes(self.free_bytes_per_device)),
+            ("KV per token", f"{self.kv_bytes_per_token:,} B ({self.kv_bytes_per_token / 1e3:.1f} KB)"),
+            (f"KV per {self.max_seq_len:,}-token request", fmt_bytes(self.kv_bytes_per_request)),
+            ("tokens per device / total", f"{self.tokens_per_device:,} / {self.tokens_total:,}"),
+            (f"{self.max_seq_len:,}-token requests per device / total",
+             f"{self.requests_per_device:,} / {self.requests_total:,}"),
+            ("fits", "yes" if self.fits else "NO"),
+        ]
+        w = max(len(k) for k, _ in rows)
+        return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
+
+    def check(self) -> None:
+        """Raise PlanError (with the numbers) unless the plan fits."""
+        if self.fits:
+            return
+        short = self.kv_bytes_per_request - max(self.free_bytes_per_device, 0)
+        hint = ("more devices (a larger tensor or expert axis), --dtype fp8, or a shorter max_seq_len"
+                if self.free_bytes_per_device < 0 else "a shorter max_seq_len or more devices")
+        raise PlanError(
+            f"the model does not fit: per device {fmt_bytes(self.weight_bytes_per_device)} of weights "
+            f"+ {fmt_bytes(self.reserve)} reserve leave {fmt_bytes(self.free_bytes_per_device)} of "
+            f"{fmt_bytes(self.device_memory)}, but one {self.max_seq_len:,}-token request needs "
+            f"{fmt_bytes(self.kv_bytes_per_request)} of KV cache ({fmt_bytes(short)} short). Try {hint}.\n"
+            + self.summary())
+
+
+def plan(cfg: ModelConfig, mesh: str | Mapping[str, int] | Any, *, dtype: str = "bf16",
+         max_seq_len: int | None = None, device_memory: int | str,
+         reserve: int | float = DEFAULT_RESERVE_FRACTION, params_or_shapes: Any = None,
+         include_mtp: bool = True) -> Plan:
+    """Plan `cfg` on `mesh` (a spec string, axis-size dict or Mesh) without allocating anything.
+
+    `reserve` < 1 is a fraction of device memory, otherwise bytes. `params_or_shapes` overrides the
+    parameter tree (e.g. the shapes of a checkpoint without the MTP layer).
+    """
+    if isinstance(mesh, str | Mapping):
+        sizes = sharding.parse_mesh_spec(mesh)
+        if -1 in sizes.values():
+            raise sharding.MeshError(f"plan: mesh {mesh!r} has a -1 axis; give every size explicitly")
+    else:
+        sizes = sharding.axis_sizes(mesh)
+    fp8 = dtype == "fp8"
+    sharding.validate(cfg, sizes, fp8=fp8)
+    max_seq_len = cfg.max_position_embeddings if max_seq_len is None else int(max_seq_len)
+    if max_seq_len < 1:
+        raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
+    mem = parse_bytes(device_memory)
+    reserve_b = int(reserve * mem) if reserve < 1 else int(reserve)
+    tree = params_or_shapes if params_or_shapes is not None else param_shapes(cfg, dtype, include_mtp)
+    total, per_dev, rep = tree_bytes_per_device(tree, sharding.param_specs(tree), sizes)
+    return Plan(mesh=sizes, dtype=dtype, max_seq_len=max_seq_len, device_memory=mem, reserve=reserve_b,
+                weight_bytes_total=total, weight_bytes_per_device=per_dev, replicated_bytes_per_device=rep,
+                kv_bytes_per_token=cfg.kv_bytes_per_token("absorbed", 2),
+                batch_shards=sharding.mesh_size(sharding.LOGICAL_RULES["batch"], sizes))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m dsv3_jax.plan", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default="deepseek-v3", help="preset name or config.json / checkpoint dir")
+    ap.add_argument("--mesh", required=True, help="e.g. 'expert=8' or 'data=2,tensor=2,expert=2'")
+    ap.add_argument("--dtype", choices=DTYPES, default="bf16")
+    ap.add_argument("--max-seq-len", type=int, default=131072)
+    ap.add_argument("--device-memory", default="141GB", help="per device, e.g. 141GB or 80GiB")
+    ap.add_argument("--reserve", type=float, default=DEFAULT_RESERVE_FRACTION,
+                    help="kept free for activations/workspace: a fraction (<1) or bytes")
+    ap.add_argument("--no-mtp", action="store_true", help="leave out the MTP layer's weights")
+    a = ap.parse_args(argv)
+    try:
+        cfg = load_config(a.config)
+        p = plan(cfg, a.mesh, dtype=a.dtype, max_seq_len=a.max_seq_len, device_memory=a.device_memory,
+                 reserve=a.reserve, include_mtp=not a.no_mtp)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(p.summary())
+    return 0 if p.fits else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
