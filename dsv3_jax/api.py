@@ -7,6 +7,7 @@ Must not implement model math, sampling or sharding rules itself.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Sequence
@@ -17,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsv3_jax import checkpoint
+from dsv3_jax import checkpoint, sharding
 from dsv3_jax.attention import ATTENTION_FORMS
 from dsv3_jax.config import ModelConfig
 from dsv3_jax.decode import Decoder, GenerationResult, make_sampling
@@ -37,6 +38,7 @@ class ModelHandle:
     path: Path | None = None
     tokenizer: Tokenizer | None = None
     generation_defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
+    param_shardings: Any = None  # NamedShardings of `params` on `mesh` (None without a mesh)
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_FORMS:
@@ -44,9 +46,21 @@ class ModelHandle:
         self.fp8 = checkpoint.tree_is_fp8(self.params)
         self.model = Transformer(self.config, jnp.dtype(self.config.dtype), self.fp8, self.attention)
 
+    def mesh_context(self):
+        """`jax.set_mesh(self.mesh)` (a no-op without a mesh): trace/call jitted model code inside it so the
+        MoE runs expert-parallel (moe.py reads the mesh at trace time)."""
+        return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
+
     @functools.cached_property
     def _forward(self):
-        return jax.jit(lambda p, toks: self.model.apply({"params": p}, toks)[0])
+        fn = lambda p, toks: self.model.apply({"params": p}, toks)[0]  # noqa: E731
+        if self.mesh is None:
+            return jax.jit(fn)
+        # Tokens batch-sharded over data x expert; logits come back replicated so every process
+        # (multi-host) can read them.
+        tokens = sharding.activation_sharding(self.mesh, "tokens")
+        return jax.jit(fn, in_shardings=(self.param_shardings, tokens),
+                       out_shardings=jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
 
     def forward(self, tokens) -> np.ndarray:
         """float32 logits [B, T, vocab] for full sequences `tokens` [B, T] (no cache)."""
@@ -60,7 +74,16 @@ class ModelHandle:
                              f"({self.config.max_position_embeddings})")
         if toks.min() < 0 or toks.max() >= self.config.vocab_size:
             raise ValueError(f"token ids must lie in [0, {self.config.vocab_size})")
-        return np.asarray(self._forward(self.params, jnp.asarray(toks)), dtype=np.float32)
+        if self.mesh is None:
+            return np.asarray(self._forward(self.params, jnp.asarray(toks)), dtype=np.float32)
+        b = toks.shape[0]
+        pad = -b % sharding.batch_multiple(self.mesh)  # every batch shard needs whole sequences
+        toks = np.concatenate([toks, np.zeros((pad, toks.shape[1]), np.int32)]) if pad else toks
+        glob = jax.make_array_from_callback(toks.shape, sharding.activation_sharding(self.mesh, "tokens"),
+                                            lambda idx: toks[idx])
+        with self.mesh_context():
+            out = self._forward(self.params, glob)
+        return np.asarray(out.addressable_data(0), dtype=np.float32)[:b]
 
     @functools.cached_property
     def _decoder(self) -> Decoder:
@@ -119,11 +142,16 @@ class ModelHandle:
 
 
 def load(path: str | Path, *, mesh: Any = None, attention: str = "absorbed", dtype: str | None = None,
-         n_activated_experts: int | None = None) -> ModelHandle:
+         n_activated_experts: int | None = None, max_seq_len: int | None = None,
+         device_memory: int | str | None = None) -> ModelHandle:
     """Load a converted checkpoint (or an HF safetensors directory) onto `mesh` (None: one device).
 
-    `dtype` overrides the compute/weight dtype (FP8 weights stay FP8); `n_activated_experts` overrides
-    `num_experts_per_tok` (the speed/quality knob; validated against group selection).
+    `mesh`: a spec string ("data=2,tensor=2,expert=2", see sharding.py), an axis-size dict or a Mesh
+    from `sharding.make_mesh`. `dtype` overrides the compute/weight dtype (FP8 weights stay FP8);
+    `n_activated_experts` overrides `num_experts_per_tok` (the speed/quality knob; validated against
+    group selection). Before reading any weights, the memory plan (plan.py) must fit one request of
+    `max_seq_len` tokens (default: the model's context) in `device_memory` (default: what the
+    accelerator reports; no check on CPU), else PlanError with the numbers.
     """
     path = Path(path)
     if not path.is_dir():
@@ -134,12 +162,60 @@ def load(path: str | Path, *, mesh: Any = None, attention: str = "absorbed", dty
     if n_activated_experts is not None:
         cfg = cfg.replace(num_experts_per_tok=n_activated_experts)
     if mesh is not None:
-        # Mesh placement (sharding.py) arrives with the mesh issue; refuse rather than silently replicate.
-        raise ValueError("load(mesh=...) is not supported yet: meshes land with dsv3_jax.sharding")
-    params = checkpoint.load_params(path, cfg, dtype=jnp.dtype(cfg.dtype))
-    params = jax.tree_util.tree_map(jnp.asarray, params)
+        mesh = sharding.make_mesh(mesh)
+        sharding.validate(cfg, mesh, fp8=cfg.quantization is not None)
+    _check_plan(cfg, mesh, max_seq_len, device_memory)
+    shardings = None
+    if mesh is None:
+        params = checkpoint.load_params(path, cfg, dtype=jnp.dtype(cfg.dtype))
+        params = jax.tree_util.tree_map(jnp.asarray, params)
+    elif (path / checkpoint.COMPLETE_MARKER).exists():
+        # Converted (Orbax): each process restores only the chunks its devices hold.
+        shardings = sharding.param_shardings(cfg, mesh, _planned_shapes(cfg))
+        params = checkpoint.load_params(path, cfg, dtype=jnp.dtype(cfg.dtype), shardings=shardings)
+        shardings = _prune(shardings, params)
+    else:
+        # HF safetensors: read on the host, then each process places only its devices' slices.
+        host = checkpoint.load_params(path, cfg, dtype=jnp.dtype(cfg.dtype))
+        shardings = sharding.param_shardings(cfg, mesh, host)
+        params = jax.tree.map(lambda x, sh: jax.make_array_from_callback(x.shape, sh, lambda i: x[i]),
+                              host, shardings)
     tok = Tokenizer.from_dir(path) if (path / "tokenizer.json").exists() else None
-    return ModelHandle(cfg, params, attention, mesh, path, tok, load_generation_defaults(path))
+    return ModelHandle(cfg, params, attention, mesh, path, tok, load_generation_defaults(path), shardings)
+
+
+def _weights_dtype(cfg: ModelConfig) -> str:
+    if cfg.quantization is not None:
+        return "fp8"
+    return "fp32" if cfg.dtype == "float32" else "bf16"
+
+
+def _planned_shapes(cfg: ModelConfig) -> Any:
+    from dsv3_jax import plan
+
+    return plan.param_shapes(cfg, _weights_dtype(cfg), bool(cfg.num_nextn_predict_layers))
+
+
+def _prune(tree: Any, like: Any) -> Any:
+    """`tree` restricted to the keys of `like` (a checkpoint may lack the MTP layer)."""
+    if not isinstance(like, dict):
+        return tree
+    return {k: _prune(tree[k], v) for k, v in like.items()}
+
+
+def _check_plan(cfg: ModelConfig, mesh: Any, max_seq_len: int | None,
+                device_memory: int | str | None) -> None:
+    """Refuse (PlanError with the numbers) a model that cannot fit, before reading any weights."""
+    from dsv3_jax import plan
+
+    if device_memory is None:
+        stats = jax.local_devices()[0].memory_stats() or {}
+        device_memory = stats.get("bytes_limit")  # what XLA may use (see XLA_PYTHON_CLIENT_MEM_FRACTION)
+        if device_memory is None:
+            return  # CPU: no meaningful per-device limit
+    sizes = sharding.axis_sizes(mesh) if mesh is not None else dict.fromkeys(sharding.AXES, 1)
+    plan.plan(cfg, sizes, dtype=_weights_dtype(cfg), max_seq_len=max_seq_len, device_memory=device_memory,
+              params_or_shapes=_planned_shapes(cfg)).check()
 
 
 def tiny_default(*, attention: str = "absorbed", seed: int = 0) -> ModelHandle:
