@@ -66,11 +66,14 @@ def _log_fallback_once() -> None:
 
 
 # ------------------------------------------------------------------------------------------- FP8
+# FP8 checkpoints run as DeepSeek's reference does: activations are quantized per token per 128
+# channels (activation_scheme "dynamic") and multiplied with the e4m3 weights, block scales applied in
+# fp32. The CPU reference does exactly that math, so CPU and GPU give the same numbers up to rounding.
 def dequantize_weight(w: jax.Array, scale: jax.Array, dtype=jnp.float32) -> jax.Array:
     """W [..., N, K] e4m3 times its [..., ceil(N/128), ceil(K/128)] block scales."""
-    n, k = w.shape[-2:]
-    s = jnp.repeat(jnp.repeat(scale, 128, axis=-2)[..., :n, :], 128, axis=-1)[..., :k]
-    return (w.astype(jnp.float32) * s).astype(dtype)
+    from pallas_kernels import fp8_quant
+
+    return fp8_quant.dequantize_weight(w, scale).astype(dtype)
 
 
 def fp8_linear(x: jax.Array, w: jax.Array, scale: jax.Array) -> jax.Array:
@@ -78,11 +81,10 @@ def fp8_linear(x: jax.Array, w: jax.Array, scale: jax.Array) -> jax.Array:
     if backend() == "pallas":
         from pallas_kernels import fp8_gemm
 
-        lead = x.shape[:-1]
-        y = fp8_gemm.fp8_linear(x.reshape(-1, x.shape[-1]), w, scale)
-        return y.reshape(*lead, w.shape[0]).astype(x.dtype)
-    wd = dequantize_weight(w, scale, x.dtype)
-    return jnp.einsum("...k,nk->...n", x, wd)
+        return fp8_gemm.fp8_linear(x, w, scale, out_dtype=x.dtype)
+    from pallas_kernels import fp8_reference
+
+    return fp8_reference.fp8_linear_reference(x, w, scale, out_dtype=x.dtype)
 
 
 # ------------------------------------------------------------------------------ grouped matmul
@@ -91,13 +93,16 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
     """Rows of x [M, K] sorted by group times W_g^T, W [G, N, K]; group_sizes [G] sums to <= M.
 
     Only the rows' own groups are computed (a grouped GEMM, never a dense all-experts product).
-    Rows past sum(group_sizes) come back as zeros.
+    Rows past sum(group_sizes) come back as zeros. With `w_scale`, W is FP8 and x is quantized.
     """
-    if w_scale is not None and backend() == "pallas":
-        from pallas_kernels import fp8_gemm
-
-        return fp8_gemm.fp8_grouped_linear(x, w, w_scale, group_sizes).astype(x.dtype)
+    gs = group_sizes.astype(jnp.int32)
     if w_scale is not None:
-        w = dequantize_weight(w, w_scale, x.dtype)
-    return jax.lax.ragged_dot(x, jnp.swapaxes(w, 1, 2).astype(x.dtype), group_sizes.astype(jnp.int32),
+        if backend() == "pallas":
+            from pallas_kernels import fp8_gemm
+
+            return fp8_gemm.fp8_grouped_linear(x, w, w_scale, gs, out_dtype=x.dtype)
+        from pallas_kernels import fp8_reference
+
+        return fp8_reference.fp8_grouped_linear_reference(x, w, w_scale, gs, out_dtype=x.dtype)
+    return jax.lax.ragged_dot(x, jnp.swapaxes(w, 1, 2).astype(x.dtype), gs,
                               preferred_element_type=jnp.float32).astype(x.dtype)
