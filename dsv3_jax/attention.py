@@ -5,7 +5,9 @@ Owns: the q/kv projections, YaRN rope on the 64 rope dims, and attention itself 
 - *absorbed* form: the cache keeps only [c ; k_rope] (576 values per token for V3); W_uk (kv_b's K half)
   is folded into q, and W_uv (its V half) is applied after attention.
 Both forms give the same numbers; names follow the paper / official reference (wkv_a, kv_norm, q_pe).
-Must not own cache allocation or paging (cache.py) or know about other layers.
+With a cache, both forms read and write *pages* (cache.py's layout; page 0 is scratch); absorbed
+attention over pages goes through `kernels.mla_attention` (the Pallas MLA kernel on Hopper).
+Must not own cache allocation or page bookkeeping (cache.py, engine) or know about other layers.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from dsv3_jax import kernels
+from dsv3_jax.cache import PageMeta
 from dsv3_jax.config import ModelConfig
 from dsv3_jax.layers import Linear, RMSNorm
 from dsv3_jax.rope import apply_rope, rope_angles
@@ -21,10 +25,25 @@ from dsv3_jax.rope import apply_rope, rope_angles
 ATTENTION_FORMS = ("absorbed", "naive")
 
 
-def _write(cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
-    """Write new [B, T, ...] into cache [B, S, ...] at per-sequence offsets start [B]."""
-    upd = lambda c, n, s: jax.lax.dynamic_update_slice_in_dim(c, n.astype(c.dtype), s, axis=0)
-    return jax.vmap(upd)(cache, new, start)
+def _write_pages(pages: jax.Array, new: jax.Array, meta: PageMeta, start: jax.Array) -> jax.Array:
+    """Scatter new [B, T, ...] into pages [P, page_size, ...] at positions start + t (t < chunk_lens).
+
+    Padding tokens (t >= chunk_lens[b]) go to page 0, the pool's never-allocated scratch page.
+    """
+    b, t = new.shape[:2]
+    ps = pages.shape[1]
+    pos = start[:, None] + jnp.arange(t)[None, :]  # [B, T]
+    logical = jnp.minimum(pos // ps, meta.block_table.shape[1] - 1)
+    page = jnp.take_along_axis(meta.block_table, logical, axis=1)
+    valid = jnp.arange(t)[None, :] < meta.chunk_lens[:, None]
+    page = jnp.where(valid, page, 0)
+    return pages.at[page, pos % ps].set(new.astype(pages.dtype))
+
+
+def _gather_pages(pages: jax.Array, block_table: jax.Array) -> jax.Array:
+    """[P, ps, ...] pages -> [B, max_pages * ps, ...] per-sequence contiguous view."""
+    g = pages[block_table]
+    return g.reshape(g.shape[0], -1, *pages.shape[2:])
 
 
 def _causal_softmax(scores: jax.Array, q_pos: jax.Array, k_pos: jax.Array) -> jax.Array:
@@ -61,10 +80,12 @@ class MLA(nn.Module):
         return w.reshape(c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
 
     def __call__(self, x: jax.Array, positions: jax.Array, cache: dict | None = None,
-                 form: str = "absorbed") -> tuple[jax.Array, dict | None]:
-        """x [B, T, D] at positions [B, T]; cache arrays [B, S, ...] written at positions[:, 0].
+                 meta: PageMeta | None = None, form: str = "absorbed") -> tuple[jax.Array, dict | None]:
+        """x [B, T, D] at positions [B, T] (row b at start_b + t).
 
-        Without a cache, attention runs over x itself (a full causal forward).
+        Without a cache, attention runs over x itself (a full causal forward). With a paged cache
+        (`meta` gives block tables and valid chunk lengths), the new latents (absorbed) or K/V (naive)
+        are written into the pages first, then the chunk attends to the sequence's whole prefix.
         """
         if form not in ATTENTION_FORMS:
             raise ValueError(f"attention form must be one of {ATTENTION_FORMS}, got {form!r}")
@@ -90,27 +111,29 @@ class MLA(nn.Module):
         scale = c.softmax_scale
 
         if form == "absorbed":
+            q_lat = jnp.einsum("bthd,hdr->bthr", q_nope, w_uk)
             new_latent = jnp.concatenate([latent, k_pe], axis=-1)  # [B, T, 576]
             if cache is not None:
-                cache = {"latent": _write(cache["latent"], new_latent, start)}
-                kv_lat = cache["latent"].astype(x.dtype)
-                k_pos = jnp.broadcast_to(jnp.arange(kv_lat.shape[1]), (b, kv_lat.shape[1]))
+                pages = _write_pages(cache["pages"], new_latent, meta, start)
+                cache = {"pages": pages}
+                o_lat, _ = kernels.mla_attention(q_lat, q_pe.astype(q_lat.dtype), pages, meta.block_table,
+                                                 start, meta.chunk_lens, softmax_scale=scale)
             else:
-                kv_lat, k_pos = new_latent, positions
-            c_kv, k_rope = kv_lat[..., : c.kv_lora_rank], kv_lat[..., c.kv_lora_rank:]
-            q_lat = jnp.einsum("bthd,hdr->bthr", q_nope, w_uk)
-            scores = (jnp.einsum("bthr,bsr->bhts", q_lat, c_kv, preferred_element_type=jnp.float32)
-                      + jnp.einsum("bthe,bse->bhts", q_pe, k_rope, preferred_element_type=jnp.float32))
-            p = _causal_softmax(scores * scale, positions, k_pos)
-            o_lat = jnp.einsum("bhts,bsr->bthr", p.astype(x.dtype), c_kv)
-            out = jnp.einsum("bthr,hvr->bthv", o_lat, w_uv)
+                c_kv, k_rope = latent, k_pe
+                scores = (jnp.einsum("bthr,bsr->bhts", q_lat, c_kv, preferred_element_type=jnp.float32)
+                          + jnp.einsum("bthe,bse->bhts", q_pe, k_rope, preferred_element_type=jnp.float32))
+                p = _causal_softmax(scores * scale, positions, positions)
+                o_lat = jnp.einsum("bhts,bsr->bthr", p.astype(x.dtype), c_kv)
+            out = jnp.einsum("bthr,hvr->bthv", o_lat.astype(x.dtype), w_uv)
         else:
             k_nope = jnp.einsum("btr,hdr->bthd", latent, w_uk)
             v = jnp.einsum("btr,hvr->bthv", latent, w_uv)
             k = jnp.concatenate([k_nope, jnp.broadcast_to(k_pe[:, :, None, :], (b, t, h, dr))], axis=-1)
             if cache is not None:
-                cache = {"k": _write(cache["k"], k, start), "v": _write(cache["v"], v, start)}
-                k, v = cache["k"].astype(x.dtype), cache["v"].astype(x.dtype)
+                cache = {"k_pages": _write_pages(cache["k_pages"], k, meta, start),
+                         "v_pages": _write_pages(cache["v_pages"], v, meta, start)}
+                k = _gather_pages(cache["k_pages"], meta.block_table).astype(x.dtype)
+                v = _gather_pages(cache["v_pages"], meta.block_table).astype(x.dtype)
                 k_pos = jnp.broadcast_to(jnp.arange(k.shape[1]), (b, k.shape[1]))
             else:
                 k_pos = positions

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv3_jax import cache as kv_cache
+from dsv3_jax.cache import PageMeta
 from dsv3_jax.sampling import SamplingParams, sample, validate_sampling_params
 from dsv3_jax.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -54,10 +55,11 @@ class Decoder:
 
     @functools.cached_property
     def _prefill(self):
-        def prefill(params, cache, tokens, lengths, sp, keys):
+        def prefill(params, cache, table, tokens, lengths, sp, keys):
             b, t = tokens.shape
             pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-            logits, _, cache = self.model.apply({"params": params}, tokens, pos, cache)
+            logits, _, cache = self.model.apply({"params": params}, tokens, pos, cache,
+                                                PageMeta(table, lengths))
             last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
             return sample(last, sp, keys), cache
 
@@ -65,8 +67,10 @@ class Decoder:
 
     @functools.cached_property
     def _step(self):
-        def step(params, cache, tokens, pos, sp, keys):
-            logits, _, cache = self.model.apply({"params": params}, tokens[:, None], pos[:, None], cache)
+        def step(params, cache, table, tokens, pos, sp, keys):
+            meta = PageMeta(table, jnp.ones_like(pos))
+            logits, _, cache = self.model.apply({"params": params}, tokens[:, None], pos[:, None],
+                                                cache, meta)
             return sample(logits[:, 0], sp, keys), cache
 
         return jax.jit(step, donate_argnums=(1,))
@@ -83,11 +87,14 @@ class Decoder:
         b = len(prompts)
         lengths = np.array([len(p) for p in prompts], np.int32)
         t_pad = min(_bucket(int(lengths.max()), 16), cfg.max_position_embeddings)
-        max_len = min(_bucket(int(lengths.max()) + max_new_tokens, 64), cfg.max_position_embeddings)
+        max_len = min(_bucket(int(lengths.max()) + max_new_tokens, kv_cache.PAGE_SIZE),
+                      cfg.max_position_embeddings)
         toks = np.zeros((b, t_pad), np.int32)
         for i, p in enumerate(prompts):
             toks[i, : len(p)] = p
-        cache = kv_cache.allocate(cfg, b, max_len, self.handle.attention, jnp.dtype(cfg.dtype))
+        cache, table = kv_cache.allocate_contiguous(cfg, b, max_len, self.handle.attention,
+                                                    jnp.dtype(cfg.dtype))
+        table = jnp.asarray(table)
         base = jax.random.key(seed)
         row_keys = jax.vmap(lambda i: jax.random.fold_in(base, i))(jnp.arange(b))
 
@@ -101,7 +108,7 @@ class Decoder:
         first_at = [0.0] * b
         eos = set(int(e) for e in eos_ids)
         t0 = time.perf_counter()
-        nxt, cache = self._prefill(self.handle.params, cache, jnp.asarray(toks), jnp.asarray(lengths),
+        nxt, cache = self._prefill(self.handle.params, cache, table, jnp.asarray(toks), jnp.asarray(lengths),
                                    sampling, keys_at(0))
         pos = lengths.copy()
         step = 0
@@ -143,7 +150,7 @@ class Decoder:
             if all(done):
                 return
             step += 1
-            nxt, cache = self._step(self.handle.params, cache, jnp.asarray(host), jnp.asarray(pos),
+            nxt, cache = self._step(self.handle.params, cache, table, jnp.asarray(host), jnp.asarray(pos),
                                     sampling, keys_at(step))
             pos = pos + 1
 

@@ -106,3 +106,36 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
         return fp8_reference.fp8_grouped_linear_reference(x, w, w_scale, gs, out_dtype=x.dtype)
     return jax.lax.ragged_dot(x, jnp.swapaxes(w, 1, 2).astype(x.dtype), gs,
                               preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+# ------------------------------------------------------------------------------- MLA attention
+def mla_attention(q_latent: jax.Array, q_rope: jax.Array, kv_pages: jax.Array, block_table: jax.Array,
+                  start_pos: jax.Array, chunk_lens: jax.Array, *, softmax_scale: float
+                  ) -> tuple[jax.Array, jax.Array]:
+    """Absorbed MLA for a chunk of new tokens over a paged latent cache (decode is a chunk of 1).
+
+    q_latent [B, T, H, R], q_rope [B, T, H, r], kv_pages [P, page, R + r]; token t of row b sits at
+    start_pos[b] + t (its latent already in the pages); rows t >= chunk_lens[b] are padding.
+    Returns (out [B, T, H, R] before W_uv, lse [B, T, H]). The Pallas kernel needs DeepSeek's widths
+    (512 + 64), 64-token pages and bf16; other shapes use the reference (logged once).
+    """
+    from pallas_kernels import mla_reference
+
+    fits = (q_latent.shape[-1] == mla_reference.LATENT_DIM and q_rope.shape[-1] == mla_reference.ROPE_DIM
+            and kv_pages.shape[1] == 64 and kv_pages.dtype == jnp.bfloat16)
+    if backend() == "pallas":
+        if fits:
+            from pallas_kernels.mla_prefill import mla_prefill
+
+            return mla_prefill(q_latent.astype(kv_pages.dtype), q_rope.astype(kv_pages.dtype), kv_pages,
+                               block_table, start_pos, chunk_lens, softmax_scale=softmax_scale)
+        _log_mla_shape_fallback(tuple(q_latent.shape[-1:]), str(kv_pages.dtype))
+    return mla_reference.mla_prefill_reference(q_latent, q_rope.astype(q_latent.dtype),
+                                               kv_pages.astype(q_latent.dtype), block_table, start_pos,
+                                               chunk_lens, softmax_scale=softmax_scale)
+
+
+@functools.cache
+def _log_mla_shape_fallback(latent: tuple[int, ...], dtype: str) -> None:
+    log.warning("dsv3_jax.kernels: MLA kernel needs latent 512 + rope 64, page 64, bf16; got latent %s, "
+                "%s: using the jnp reference", latent, dtype)

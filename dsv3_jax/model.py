@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from dsv3_jax.attention import MLA
+from dsv3_jax.cache import PageMeta
 from dsv3_jax.config import ModelConfig
 from dsv3_jax.layers import MLP, Linear, RMSNorm
 from dsv3_jax.moe import MoE
@@ -35,11 +36,11 @@ class Block(nn.Module):
     form: str = "absorbed"
 
     @nn.compact
-    def __call__(self, x: jax.Array, cache: dict | None, positions: jax.Array):
+    def __call__(self, x: jax.Array, cache: dict | None, positions: jax.Array, meta: PageMeta | None):
         c = self.cfg
         h, cache = MLA(c, self.param_dtype, self.fp8, name="self_attn")(
             RMSNorm(c.hidden_size, c.rms_norm_eps, self.param_dtype, name="input_layernorm")(x),
-            positions, cache, self.form)
+            positions, cache, meta, self.form)
         x = x + h
         hn = RMSNorm(c.hidden_size, c.rms_norm_eps, self.param_dtype, name="post_attention_layernorm")(x)
         if self.is_moe:
@@ -51,7 +52,7 @@ class Block(nn.Module):
 
 def _stack(cfg: ModelConfig, is_moe: bool, length: int, param_dtype, fp8: bool, form: str, name: str):
     scanned = nn.scan(Block, variable_axes={"params": 0, "intermediates": 0},
-                      split_rngs={"params": True}, in_axes=(0, nn.broadcast), length=length)
+                      split_rngs={"params": True}, in_axes=(0, nn.broadcast, nn.broadcast), length=length)
     return scanned(cfg, is_moe, param_dtype, fp8, form, name=name)
 
 
@@ -69,14 +70,15 @@ class MTP(nn.Module):
 
     @nn.compact
     def __call__(self, hidden: jax.Array, next_tokens: jax.Array, positions: jax.Array,
-                 cache: dict | None = None):
+                 cache: dict | None = None, meta: PageMeta | None = None):
         c = self.cfg
         d = c.hidden_size
         emb = nn.Embed(c.vocab_size, d, param_dtype=self.param_dtype, name="embed_tokens")(next_tokens)
         e = RMSNorm(d, c.rms_norm_eps, self.param_dtype, name="enorm")(emb.astype(hidden.dtype))
         h = RMSNorm(d, c.rms_norm_eps, self.param_dtype, name="hnorm")(hidden)
         x = Linear(2 * d, d, self.param_dtype, self.fp8, name="eh_proj")(jnp.concatenate([e, h], -1))
-        x, cache = Block(c, True, self.param_dtype, self.fp8, self.form, name="block")(x, cache, positions)
+        x, cache = Block(c, True, self.param_dtype, self.fp8, self.form, name="block")(x, cache, positions,
+                                                                                      meta)
         x = RMSNorm(d, c.rms_norm_eps, self.param_dtype, name="shared_head_norm")(x)
         logits = Linear(d, c.vocab_size, self.param_dtype, False, name="shared_head_head")(x)
         return logits.astype(jnp.float32), x, cache
@@ -102,11 +104,12 @@ class Transformer(nn.Module):
         if c.num_nextn_predict_layers:
             self.mtp = MTP(c, self.param_dtype, self.fp8, self.form)
 
-    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None, cache: dict | None = None):
+    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None, cache: dict | None = None,
+                 meta: PageMeta | None = None):
         """tokens [B, T] at positions [B, T] (default 0..T-1) -> (logits fp32 [B, T, V], hidden, cache).
 
-        `hidden` is the final-normed hidden state (the MTP module's input). With a cache, the new
-        tokens' latents (absorbed) or K/V (naive) are written at positions[:, 0] onwards.
+        `hidden` is the final-normed hidden state (the MTP module's input). With a paged cache and its
+        `meta`, the new tokens' latents (absorbed) or K/V (naive) are written at positions[:, 0] onwards.
         """
         b, t = tokens.shape
         if positions is None:
@@ -117,7 +120,7 @@ class Transformer(nn.Module):
         for name in ("dense_layers", "moe_layers"):
             if not hasattr(self, name):
                 continue
-            x, layer_cache = getattr(self, name)(x, None if cache is None else cache[name], positions)
+            x, layer_cache = getattr(self, name)(x, None if cache is None else cache[name], positions, meta)
             new_cache[name] = layer_cache
         hidden = self.norm(x)
         logits = self.lm_head(hidden).astype(jnp.float32)
@@ -126,10 +129,10 @@ class Transformer(nn.Module):
         return logits, hidden, (new_cache if cache is not None else None)
 
     def mtp_logits(self, hidden: jax.Array, next_tokens: jax.Array, positions: jax.Array,
-                   cache: dict | None = None):
+                   cache: dict | None = None, meta: PageMeta | None = None):
         """The MTP draft: logits for token i+2 from hidden_i and token i+1, plus its hidden and cache."""
         mtp_cache = None if cache is None else cache["mtp"]
-        logits, h, mtp_cache = self.mtp(hidden, next_tokens, positions, mtp_cache)
+        logits, h, mtp_cache = self.mtp(hidden, next_tokens, positions, mtp_cache, meta)
         if cache is not None:
             cache = {**cache, "mtp": mtp_cache}
         return logits, h, cache

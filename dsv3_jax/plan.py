@@ -97,13 +97,9 @@ def tree_bytes_per_device(tree: Any, specs: Any, sizes: Mapping[str, int]) -> tu
     return total, per_dev, replicated
 
 
-def cache_bytes_per_device(cfg: ModelConfig, sizes: Mapping[str, int], batch: int, max_len: int,
-                           form: str = "absorbed", dtype: Any = jnp.bfloat16, mtp: bool = False) -> int:
-    """Bytes one device holds for a cache.allocate(cfg, batch, max_len, form, dtype, mtp) on this mesh."""
-    from dsv3_jax import cache as kv_cache
-
-    shapes = jax.eval_shape(lambda: kv_cache.allocate(cfg, batch, max_len, form, dtype, mtp))
-    return tree_bytes_per_device(shapes, sharding.cache_specs(shapes), sizes)[1]
+def cache_bytes_per_device(cache_or_shapes: Any, sizes: Mapping[str, int]) -> int:
+    """Bytes one device holds of a cache tree (cache.py layout) sharded by sharding.CACHE_AXES."""
+    return tree_bytes_per_device(cache_or_shapes, sharding.cache_specs(cache_or_shapes), sizes)[1]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -41,6 +41,8 @@ MeshAxes = str | tuple[str, ...] | None
 LOGICAL_RULES: dict[str, MeshAxes] = {
     "batch": ("data", "expert"),  # sequences: activations and the latent cache (DP attention)
     "seq": None,
+    "cache_pages": ("data", "expert"),  # a paged pool: each batch shard owns a slice of pages
+    "page_slot": None,
     "layers": None,  # the nn.scan stacking axis
     "embed": None,  # hidden size D: the residual stream stays whole on every device
     "vocab": "tensor",  # vocabulary-parallel embedding and LM head
@@ -85,11 +87,16 @@ PARAM_AXES: dict[str, tuple[str | None, ...]] = {
     "eh_proj/weight": ("embed", "concat_embed"),
 }
 
-# Cache leaves (cache.py layout, without the scan axis) and activations.
+# Cache leaves (cache.py layout, without the scan axis): contiguous per-sequence slots [B, S, ...] or a
+# paged pool [P, page_size, ...]. A pool is split by pages over the batch axes: the engine must give a
+# sequence of batch shard s pages from shard s's slice [s*P/n, (s+1)*P/n) so attention stays local.
 CACHE_AXES: dict[str, tuple[str | None, ...]] = {
     "latent": ("batch", "seq", "kv_latent"),
     "k": ("batch", "seq", "heads", "head_dim"),
     "v": ("batch", "seq", "heads", "head_dim"),
+    "pages": ("cache_pages", "page_slot", "kv_latent"),
+    "k_pages": ("cache_pages", "page_slot", "heads", "head_dim"),
+    "v_pages": ("cache_pages", "page_slot", "heads", "head_dim"),
 }
 ACTIVATION_AXES: dict[str, tuple[str | None, ...]] = {
     "tokens": ("batch", "seq"),

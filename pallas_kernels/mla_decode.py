@@ -34,7 +34,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.mla_reference import KV_DIM, LATENT_DIM, _as_4d, check_cache_args
+from pallas_kernels.mla_reference import KV_DIM, LATENT_DIM, ROPE_DIM, _as_4d, check_cache_args
 
 BLOCK_ROWS = 64  # rows (token, head) per tile: one wgmma M
 PAGE_SIZE = 64  # tokens per cache page = KV block per pipeline step
@@ -190,6 +190,9 @@ def paged_mla_partials(
     rows R = Q * H padded to a multiple of 64 (every element is written, padding rows included)."""
     bsz, nq, nh, _ = q_latent.shape
     check_cache_args(kv_pages, block_table, bsz)
+    if q_latent.shape[-1] != LATENT_DIM or q_rope.shape[-1] != ROPE_DIM or kv_pages.shape[-1] != KV_DIM:
+        raise ValueError(f"the Pallas kernel needs q_latent/q_rope/kv_pages widths {LATENT_DIM}/{ROPE_DIM}/"
+                         f"{KV_DIM}, got {q_latent.shape}, {q_rope.shape}, {kv_pages.shape}")
     if kv_pages.shape[1] != PAGE_SIZE:
         raise ValueError(f"the Pallas kernel needs page_size {PAGE_SIZE}, got kv_pages {kv_pages.shape}")
     if q_latent.dtype not in (jnp.bfloat16, jnp.float16) or kv_pages.dtype != q_latent.dtype:

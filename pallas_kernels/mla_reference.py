@@ -30,11 +30,8 @@ def _as_4d(q_latent: jax.Array, q_rope: jax.Array) -> tuple[jax.Array, jax.Array
     squeeze = q_latent.ndim == 3
     if squeeze:
         q_latent, q_rope = q_latent[:, None], q_rope[:, None]
-    if q_latent.shape[-1] != LATENT_DIM or q_rope.shape[-1] != ROPE_DIM:
-        raise ValueError(
-            f"q_latent last dim must be {LATENT_DIM} and q_rope's {ROPE_DIM}, got {q_latent.shape}, "
-            f"{q_rope.shape}"
-        )
+    if q_rope.shape[-1] >= q_latent.shape[-1]:
+        raise ValueError(f"q_rope ({q_rope.shape[-1]}) must be narrower than q_latent ({q_latent.shape[-1]})")
     if q_latent.shape[:-1] != q_rope.shape[:-1]:
         raise ValueError(f"q_latent {q_latent.shape} and q_rope {q_rope.shape} disagree before the last dim")
     return q_latent, q_rope, squeeze
@@ -42,8 +39,8 @@ def _as_4d(q_latent: jax.Array, q_rope: jax.Array) -> tuple[jax.Array, jax.Array
 
 def check_cache_args(kv_pages: jax.Array, block_table: jax.Array, batch: int) -> None:
     """Shape checks shared by references and kernels."""
-    if kv_pages.ndim != 3 or kv_pages.shape[-1] != KV_DIM:
-        raise ValueError(f"kv_pages must be [num_pages, page_size, {KV_DIM}], got {kv_pages.shape}")
+    if kv_pages.ndim != 3:
+        raise ValueError(f"kv_pages must be [num_pages, page_size, latent + rope], got {kv_pages.shape}")
     if block_table.ndim != 2 or block_table.shape[0] != batch:
         raise ValueError(f"block_table must be [B={batch}, max_pages], got {block_table.shape}")
 
@@ -63,11 +60,15 @@ def paged_attention_reference(
 
     Matmuls run in the input dtype with fp32 accumulation (pass fp32 inputs for an fp32 reference).
     """
-    b, nq, _, _ = q_latent.shape
+    b, nq, _, lat = q_latent.shape
+    if kv_pages.shape[-1] != lat + q_rope.shape[-1]:
+        raise ValueError(f"kv_pages last dim {kv_pages.shape[-1]} != q_latent {lat} + q_rope "
+                         f"{q_rope.shape[-1]}")
     page_size = kv_pages.shape[1]
-    kv = kv_pages[block_table].reshape(b, -1, KV_DIM)  # [B, S_max, 576], gathered pages
-    scores = jnp.einsum("bqhc,bsc->bqhs", q_latent, kv[..., :LATENT_DIM], preferred_element_type=jnp.float32)
-    scores += jnp.einsum("bqhr,bsr->bqhs", q_rope, kv[..., LATENT_DIM:], preferred_element_type=jnp.float32)
+    # Any latent width (512 for DeepSeek-V3; tiny test models use less); the kernels need 512 + 64.
+    kv = kv_pages[block_table].reshape(b, -1, kv_pages.shape[-1])  # [B, S_max, 576], gathered pages
+    scores = jnp.einsum("bqhc,bsc->bqhs", q_latent, kv[..., :lat], preferred_element_type=jnp.float32)
+    scores += jnp.einsum("bqhr,bsr->bqhs", q_rope, kv[..., lat:], preferred_element_type=jnp.float32)
     scores *= softmax_scale
     pos = jnp.arange(block_table.shape[1] * page_size)
     limit = jnp.minimum(q_start[:, None] + 1 + jnp.arange(nq)[None, :], kv_len[:, None])  # [B, Q]
@@ -76,7 +77,7 @@ def paged_attention_reference(
     lse = jax.nn.logsumexp(scores, axis=-1)  # [B, Q, H]
     probs = jnp.exp(scores - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None])
     out = jnp.einsum(
-        "bqhs,bsc->bqhc", probs.astype(kv.dtype), kv[..., :LATENT_DIM], preferred_element_type=jnp.float32
+        "bqhs,bsc->bqhc", probs.astype(kv.dtype), kv[..., :lat], preferred_element_type=jnp.float32
     )
     return out.astype(q_latent.dtype), lse
 

@@ -43,15 +43,19 @@ def test_prefill_then_decode_matches_full_forward(hf_pair, form):
     rng = np.random.default_rng(2)
     tokens = rng.integers(0, model.config.vocab_size, size=(2, 24)).astype(np.int32)
     full = handle.forward(tokens)
-    cache = kv_cache.allocate(handle.config, batch=2, max_len=32, form=form, dtype=jnp.float32)
-    apply = jax.jit(lambda p, t, pos, c: handle.model.apply({"params": p}, t, pos, c))
+    # Small pages so the sequence spans several, with a shuffled (non-contiguous) page assignment.
+    cache = kv_cache.allocate(handle.config, num_pages=16, page_size=4, form=form, dtype=jnp.float32)
+    table = jnp.asarray(np.random.default_rng(3).permutation(np.arange(1, 16))[:14].reshape(2, 7), jnp.int32)
+    apply = jax.jit(lambda p, t, pos, c, m: handle.model.apply({"params": p}, t, pos, c, m))
     n_prefill = 9
     pos = jnp.broadcast_to(jnp.arange(n_prefill, dtype=jnp.int32), (2, n_prefill))
-    logits, _, cache = apply(handle.params, jnp.asarray(tokens[:, :n_prefill]), pos, cache)
+    meta = kv_cache.PageMeta(table, jnp.full((2,), n_prefill, jnp.int32))
+    logits, _, cache = apply(handle.params, jnp.asarray(tokens[:, :n_prefill]), pos, cache, meta)
     steps = [np.asarray(logits)]
+    one = kv_cache.PageMeta(table, jnp.ones((2,), jnp.int32))
     for t in range(n_prefill, tokens.shape[1]):
         pos = jnp.full((2, 1), t, jnp.int32)
-        logits, _, cache = apply(handle.params, jnp.asarray(tokens[:, t:t + 1]), pos, cache)
+        logits, _, cache = apply(handle.params, jnp.asarray(tokens[:, t:t + 1]), pos, cache, one)
         steps.append(np.asarray(logits))
     stepped = np.concatenate(steps, axis=1)
     assert rel_err(stepped, full) <= TOL, f"{kind}/{form}: {rel_err(stepped, full):.2e}"
