@@ -135,12 +135,29 @@ def _scale_name(weight_name: str) -> str:
     return weight_name[: -len("weight")] + "weight_scale_inv"
 
 
+def _target(name: str, cfg: ModelConfig) -> hf_names.Target:
+    t = hf_names.hf_target(name, cfg)
+    if t is None and name == f"model.layers.{cfg.num_hidden_layers}.eh_proj.weight_scale_inv":
+        return hf_names.Target(("mtp", "eh_proj", "scale"), ())  # hf_names has no entry for it (yet)
+    if t is None:
+        raise KeyError(f"tensor {name} has no place in the model")  # validation rules this out
+    return t
+
+
+def _leaf_groups(cfg: ModelConfig, names: list[str]) -> dict[LeafPath, list[tuple[str, tuple[int, ...]]]]:
+    groups: dict[LeafPath, list[tuple[str, tuple[int, ...]]]] = {}
+    for n in names:
+        t = _target(n, cfg)
+        groups.setdefault(t.path, []).append((n, t.index))
+    return groups
+
+
 def plan_leaves(src: Source, out_dtype: str, policy: ChunkPolicy) -> list[LeafPlan]:
     """Every output leaf of converting `src` to `out_dtype` (auto | bf16 | fp8)."""
     cfg = src.cfg
     order = sorted(src.tensors, key=lambda n: (src.tensors[n].file.name, src.tensors[n].start))
-    groups = hf_names.leaf_groups(cfg, order)
-    quantizable = {hf_names.hf_target(n, cfg).path
+    groups = _leaf_groups(cfg, order)
+    quantizable = {_target(n, cfg).path
                    for n, (_, dt) in hf_names.expected_hf_tensors(cfg, fp8=True).items() if dt == "F8_E4M3"}
     out_fp8 = out_dtype == "fp8" or (out_dtype == "auto" and src.fp8)
     hp = BF16 if out_dtype == "bf16" else _HP[cfg.dtype]
@@ -290,6 +307,23 @@ def run_unit(unit: Unit, src: Source, stores: dict[LeafPath, Any], policy: Chunk
 
 
 # ------------------------------------------------------------------------------------------ the run
+def _large_allocations_via_mmap() -> None:
+    """Make glibc serve every allocation >= 1 MiB with its own mmap, returned to the OS on free.
+
+    By default glibc raises its mmap threshold after the first large free, after which slab-sized
+    buffers come from per-thread heaps that keep their pages: RSS then grows to several hundred MB
+    of freed slabs. Fixing the threshold keeps peak RSS at the slabs actually in flight.
+    """
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass  # not glibc: nothing to tune
+
+
 def _temp_dir(dst: Path) -> Path:
     return dst.parent / f".{dst.name}.converting"
 
@@ -332,6 +366,7 @@ def convert(src: str | Path, dst: str | Path, *, dtype: str = "auto", ue8m0: boo
     `force` replaces an existing `dst` (only once the new one is complete).
     """
     t0 = time.perf_counter()
+    _large_allocations_via_mmap()
     baseline = psutil.Process().memory_info().rss
     policy = policy or ChunkPolicy()
     if dtype not in OUT_DTYPES:
@@ -412,8 +447,7 @@ def convert(src: str | Path, dst: str | Path, *, dtype: str = "auto", ue8m0: boo
                 _, bad = fut.result()
                 odd += bad
                 journal.write(json.dumps({"unit": u.id}) + "\n")
-                journal.flush()
-                os.fsync(journal.fileno())
+                journal.flush()  # survives a killed process (page cache); a machine crash needs --force
                 tensors_done += len(u.entries) * (2 if u.leaf.kind in ("fp8_copy", "dequantize") else 1)
                 bar.update(u.nbytes)
                 bar.set_postfix_str(f"tensors {tensors_done}/{n_tensors}")
@@ -431,7 +465,7 @@ def convert(src: str | Path, dst: str | Path, *, dtype: str = "auto", ue8m0: boo
                      f"declares scale_fmt ue8m0: {_group_odd_scales(odd)}. Kept as exact fp32 scales "
                      "(the loader applies any fp32 scale), so the model is unchanged")
 
-    # ---- finish: Orbax metadata, config and tokenizer files, manifest last, then the rename
+    # ---- finish: Orbax metadata, config and tokenizer files, data on disk, manifest last, rename
     orbax_io.write_tree_metadata(params, {x.path: x.shape for x in all_leaves})
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     copied = []
@@ -455,8 +489,19 @@ def convert(src: str | Path, dst: str | Path, *, dtype: str = "auto", ue8m0: boo
         "leaves": plan_doc["leaves"], "bytes": bytes_out, "copied_files": copied,
         "ue8m0_nonconformant_scales": sorted(odd), "notes": notes,
     }
+    _fsync_tree(tmp)  # every chunk durable before the manifest declares the checkpoint complete
     _write_json(tmp / COMPLETE_MARKER, manifest)
     return _finish_rename(tmp, dst, force, report, t0)
+
+
+def _fsync_tree(root: Path) -> None:
+    for d, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(d, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
 
 
 def _load_report(tmp: Path, t0: float, baseline: int) -> ConvertReport:

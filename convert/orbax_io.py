@@ -28,8 +28,9 @@ _TS_DTYPES = {np.dtype(ml_dtypes.bfloat16): "bfloat16", np.dtype(ml_dtypes.float
 DTYPE_NAMES = {np.dtype(ml_dtypes.bfloat16): "bfloat16", np.dtype(ml_dtypes.float8_e4m3fn): "float8_e4m3fn",
                np.dtype(np.float32): "float32", np.dtype(np.float16): "float16"}
 DTYPES_BY_NAME = {v: k for k, v in DTYPE_NAMES.items()}
-# No chunk cache: every write goes straight to disk, so memory stays at the slab being written.
-_CONTEXT = ts.Context({"cache_pool": {"total_bytes_limit": 0},
+# No chunk cache: every write goes straight to the file, so memory stays at the slab being written.
+# No fsync per chunk (tensorstore's default): it cut throughput ~5x; the converter syncs once at the end.
+_CONTEXT = ts.Context({"cache_pool": {"total_bytes_limit": 0}, "file_io_sync": False,
                        "file_io_concurrency": {"limit": 16}, "data_copy_concurrency": {"limit": 4}})
 
 
