@@ -114,7 +114,7 @@ class Plan:
     weight_bytes_total: int
     weight_bytes_per_device: int
     replicated_bytes_per_device: int
-    kv_bytes_per_token: int  # one token of one sequence, all layers (absorbed latent cache, bf16)
+    kv_bytes_per_token: int  # one token of one sequence, all layers (absorbed cache; bf16, fp32 for fp32)
     batch_shards: int  # sequences are spread over data x expert; each device holds whole sequences
 
     @property
@@ -212,7 +212,7 @@ def plan(cfg: ModelConfig, mesh: str | Mapping[str, int] | Any, *, dtype: str = 
     total, per_dev, rep = tree_bytes_per_device(tree, sharding.param_specs(tree), sizes)
     return Plan(mesh=sizes, dtype=dtype, max_seq_len=max_seq_len, device_memory=mem, reserve=reserve_b,
                 weight_bytes_total=total, weight_bytes_per_device=per_dev, replicated_bytes_per_device=rep,
-                kv_bytes_per_token=cfg.kv_bytes_per_token("absorbed", 2),
+                kv_bytes_per_token=cfg.kv_bytes_per_token("absorbed", 4 if dtype == "fp32" else 2),
                 batch_shards=sharding.mesh_size(sharding.LOGICAL_RULES["batch"], sizes))
 
 
