@@ -140,6 +140,35 @@ class ModelHandle:
                 else [self.config.eos_token_id]
         return ids
 
+    # ------------------------------------- notebook display and research hooks (notebook.py, inspect.py)
+    def __repr__(self) -> str:
+        from dsv3_jax import notebook
+
+        return notebook.handle_repr(self)
+
+    def _repr_html_(self) -> str:
+        from dsv3_jax import notebook
+
+        return notebook.handle_html(self)
+
+    def router_stats(self, prompt: str | Sequence[int]):
+        """Per-MoE-layer router choices and expert-load histogram for one prompt (inspect.RouterStats)."""
+        from dsv3_jax import inspect
+
+        return inspect.router_stats(self, prompt)
+
+    def attention_entropy(self, prompt: str | Sequence[int]):
+        """Attention entropy per layer, head and query for one prompt (inspect.AttentionEntropy)."""
+        from dsv3_jax import inspect
+
+        return inspect.attention_entropy(self, prompt)
+
+    def cache_pages(self, prompt: str | Sequence[int], *, page_size: int = 64):
+        """The paged KV cache of one prompt after prefill, its own pages only (inspect.CachePages)."""
+        from dsv3_jax import inspect
+
+        return inspect.cache_pages(self, prompt, page_size=page_size)
+
 
 def load(path: str | Path, *, mesh: Any = None, attention: str = "absorbed", dtype: str | None = None,
          n_activated_experts: int | None = None, max_seq_len: int | None = None,
