@@ -264,11 +264,11 @@ class _Sink:
             self.buf[sub][r0:r1] = block
         else:
             lead = () if self.layer is None else (self.layer,)
-            self.store[(*lead, *sub, slice(r0, r1))].write(block).result()
+            self.store[(*lead, *sub, slice(r0, r1))].write(block).commit.result()
 
     def close(self) -> None:
         if self.buf is not None:
-            (self.store if self.layer is None else self.store[self.layer]).write(self.buf).result()
+            (self.store if self.layer is None else self.store[self.layer]).write(self.buf).commit.result()
             self.buf = None
 
 
