@@ -98,3 +98,50 @@ def handle_html(handle: Any) -> str:
     body = "".join(f"<tr><th style='text-align:left'>{html.escape(k)}</th>"
                    f"<td style='text-align:left'>{html.escape(v)}</td></tr>" for k, v in summary_rows(handle))
     return f"<table><caption style='text-align:left'><b>dsv3_jax ModelHandle</b></caption>{body}</table>"
+
+
+class Table:
+    """A list of same-keyed dict rows that renders as an HTML table in Jupyter and as text elsewhere."""
+
+    def __init__(self, rows: list[dict[str, Any]], title: str | None = None):
+        if not rows:
+            raise ValueError("rows must hold at least one row")
+        self.rows = [dict(r) for r in rows]
+        self.columns = list(self.rows[0])
+        self.title = title
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @staticmethod
+    def _cell(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:,.4g}" if abs(v) < 1e4 else f"{v:,.0f}"
+        if isinstance(v, int) and not isinstance(v, bool):
+            return f"{v:,}"
+        return str(v)
+
+    def __repr__(self) -> str:
+        cells = [[self._cell(r.get(c, "")) for c in self.columns] for r in self.rows]
+        w = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(self.columns)]
+        lines = ["  ".join(c.ljust(w[i]) for i, c in enumerate(self.columns)),
+                 "  ".join("-" * n for n in w)]
+        lines += ["  ".join(v.rjust(w[i]) for i, v in enumerate(row)) for row in cells]
+        return "\n".join(([self.title] if self.title else []) + lines)
+
+    def _repr_html_(self) -> str:
+        head = "".join(f"<th>{html.escape(c)}</th>" for c in self.columns)
+        body = "".join("<tr>" + "".join(f"<td>{html.escape(self._cell(r.get(c, '')))}</td>"
+                                        for c in self.columns) + "</tr>" for r in self.rows)
+        cap = f"<caption style='text-align:left'><b>{html.escape(self.title)}</b></caption>" \
+            if self.title else ""
+        return f"<table>{cap}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+    def to_csv(self, path: Any) -> None:
+        """Write the rows as CSV (raw values, not the display formatting)."""
+        import csv
+
+        with open(path, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=self.columns)
+            w.writeheader()
+            w.writerows(self.rows)
