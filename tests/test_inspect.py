@@ -53,10 +53,16 @@ def test_html_repr_renders_config_fields(h):
     assert len(text) < 2000  # a summary, never the parameter arrays
 
 
-def test_repr_shows_mesh_and_per_device_memory(h):
+@pytest.fixture(scope="module")
+def hm(h):
+    """The same model placed on a data=2,tensor=2,expert=2 mesh of the 8 CPU devices."""
     mesh = sharding.make_mesh("data=2,tensor=2,expert=2")
     sh = sharding.param_shardings(h.config, mesh, h.params)
-    hm = dataclasses.replace(h, params=jax.device_put(h.params, sh), mesh=mesh, param_shardings=sh)
+    return dataclasses.replace(h, params=jax.device_put(h.params, sh), mesh=mesh, param_shardings=sh)
+
+
+def test_repr_shows_mesh_and_per_device_memory(h, hm):
+    mesh = hm.mesh
     per = memory_per_device(hm)
     assert len(per) == 8
     # What the planner predicts from the sharding tables is what the placed arrays really hold.
@@ -175,3 +181,12 @@ def test_bad_prompts_are_refused(h, prompt, match):
         h.cache_pages([1, 2], page_size=0)
     with pytest.raises(ValueError, match="layer"):
         h.cache_pages(PROMPT, page_size=4).layer(99)
+
+
+def test_hooks_on_a_mesh_match_one_device(h, hm):
+    # Expert-parallel MoE under the mesh (the prompt is padded to the mesh's batch shards).
+    one, many = h.router_stats(PROMPT), hm.router_stats(PROMPT)
+    np.testing.assert_array_equal(np.sort(one.choices, -1), np.sort(many.choices, -1))
+    e1, e8 = h.attention_entropy(PROMPT), hm.attention_entropy(PROMPT)
+    np.testing.assert_allclose(e8.entropy, e1.entropy, atol=1e-5)
+    assert e8.recompute_error < 1e-5
