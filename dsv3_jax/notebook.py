@@ -1,7 +1,8 @@
 """How a `ModelHandle` shows itself in a REPL or a Jupyter cell.
 
 Owns: the summary rows of a handle (config, parameter counts, dtype, attention form, kernels, mesh,
-per-device memory), rendered as text (`handle_repr`) and as an HTML table (`handle_html`).
+per-device memory), rendered as text (`handle_repr`) and as an HTML table (`handle_html`), and `Table`,
+dict rows that render as an HTML table in a notebook (the examples' tables).
 Must not load, compute with or change the model; reading shard sizes and device memory stats only.
 """
 
