@@ -584,7 +584,7 @@ decode = [r for r in moe if r["case"].startswith("decode gate_up")]
 for v in sorted({r["variant"] for r in decode}):
     sel = sorted((int(r["case"].split("M=")[1]), r["ms"]) for r in decode if r["variant"] == v)
     a2.plot([m for m, _ in sel], [ms for _, ms in sel], "o-", label=v)
-a2.set_xscale("log", base=2); a2.set_yscale("log"); a2.set_xlabel("tokens M (decode batch x 8 experts)")
+a2.set_xscale("log", base=2); a2.set_yscale("log"); a2.set_xlabel("routed rows M (token-expert pairs)")
 a2.set_ylabel("ms"); a2.set_title("MoE gate_up grouped GEMM (decode)"); a2.legend(fontsize=7)
 fig.tight_layout()
 fig.savefig(OUT / "04_recorded.png", dpi=100)
