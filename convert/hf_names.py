@@ -27,6 +27,7 @@ _MLP = ("gate_proj", "up_proj", "down_proj")
 # MLPs and experts. Embeddings, norms, the router and the heads stay in bf16 (the official layout).
 _MTP_OWN = {"embed_tokens.weight": ("embed_tokens", "embedding"), "enorm.weight": ("enorm", "weight"),
             "hnorm.weight": ("hnorm", "weight"), "eh_proj.weight": ("eh_proj", "weight"),
+            "eh_proj.weight_scale_inv": ("eh_proj", "scale"),
             "shared_head.norm.weight": ("shared_head_norm", "weight"),
             "shared_head.head.weight": ("shared_head_head", "weight")}
 

@@ -84,6 +84,14 @@ class Decoder:
         self._validate(prompts, max_new_tokens)
         if stop and tokenizer is None:
             raise ValueError("stop strings need a tokenizer (this checkpoint has none)")
+        n_real = len(prompts)
+        if self.handle.mesh is not None:  # every batch shard (data x expert) needs whole rows
+            from dsv3_jax import sharding
+
+            pad = -n_real % sharding.batch_multiple(self.handle.mesh)
+            prompts = prompts + [[cfg.bos_token_id]] * pad
+            sampling = SamplingParams(*(jnp.concatenate([a, jnp.repeat(a[-1:], pad)]) for a in
+                                        (sampling.temperature, sampling.top_p, sampling.top_k)))
         b = len(prompts)
         lengths = np.array([len(p) for p in prompts], np.int32)
         t_pad = min(_bucket(int(lengths.max()), 16), cfg.max_position_embeddings)
@@ -94,6 +102,7 @@ class Decoder:
             toks[i, : len(p)] = p
         cache, table = kv_cache.allocate_contiguous(cfg, b, max_len, self.handle.attention,
                                                     jnp.dtype(cfg.dtype))
+        cache = place_cache(self.handle, cache)
         table = jnp.asarray(table)
         base = jax.random.key(seed)
         row_keys = jax.vmap(lambda i: jax.random.fold_in(base, i))(jnp.arange(b))
@@ -104,12 +113,13 @@ class Decoder:
         detok = [IncrementalDetokenizer(tokenizer) if tokenizer else None for _ in range(b)]
         out: list[list[int]] = [[] for _ in range(b)]
         texts = ["" for _ in range(b)]
-        done = [False] * b
+        done = [i >= n_real for i in range(b)]  # padding rows never report
         first_at = [0.0] * b
         eos = set(int(e) for e in eos_ids)
         t0 = time.perf_counter()
-        nxt, cache = self._prefill(self.handle.params, cache, table, jnp.asarray(toks), jnp.asarray(lengths),
-                                   sampling, keys_at(0))
+        with self.handle.mesh_context():  # the MoE runs expert-parallel when traced under a mesh
+            nxt, cache = self._prefill(self.handle.params, cache, table, jnp.asarray(toks),
+                                       jnp.asarray(lengths), sampling, keys_at(0))
         pos = lengths.copy()
         step = 0
         while True:
@@ -150,8 +160,9 @@ class Decoder:
             if all(done):
                 return
             step += 1
-            nxt, cache = self._step(self.handle.params, cache, table, jnp.asarray(host), jnp.asarray(pos),
-                                    sampling, keys_at(step))
+            with self.handle.mesh_context():
+                nxt, cache = self._step(self.handle.params, cache, table, jnp.asarray(host),
+                                        jnp.asarray(pos), sampling, keys_at(step))
             pos = pos + 1
 
     def _validate(self, prompts: list[list[int]], max_new_tokens: int) -> None:
@@ -171,6 +182,20 @@ class Decoder:
             if len(p) + max_new_tokens > cfg.max_position_embeddings:
                 raise ValueError(f"prompt {i} ({len(p)} tokens) + max_new_tokens ({max_new_tokens}) "
                                  f"overflows the context of {cfg.max_position_embeddings} tokens")
+
+
+def place_cache(handle: Any, cache: dict) -> dict:
+    """Put a page pool on the handle's mesh: pages split over the batch axes where they divide,
+    replicated otherwise (correct either way; the split only saves memory)."""
+    if handle.mesh is None:
+        return cache
+    from dsv3_jax import sharding
+
+    try:
+        return jax.device_put(cache, sharding.cache_shardings(handle.config, handle.mesh, cache))
+    except (ValueError, sharding.MeshError):
+        rep = jax.sharding.NamedSharding(handle.mesh, jax.sharding.PartitionSpec())
+        return jax.device_put(cache, rep)
 
 
 def _stop_cut(text_so_far: str, piece: str, stop: Sequence[str]) -> str | None:

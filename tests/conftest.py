@@ -18,6 +18,11 @@ def _has_gpu() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
+    if os.environ.get("DSV3_RUN_SLOW") != "1":
+        skip_slow = pytest.mark.skip(reason="slow (multi-GB data); set DSV3_RUN_SLOW=1 to run it")
+        for item in items:
+            if "slow" in item.keywords:
+                item.add_marker(skip_slow)
     if _has_gpu():
         return
     skip_gpu = pytest.mark.skip(reason="needs an NVIDIA GPU; run on the device machine")

@@ -69,7 +69,11 @@ def test_layout_matches_one_device(models, kind, spec):
     logits = handle.forward(tokens)
     assert rel_err(logits, ref_logits) <= TOL, f"{spec}: rel err {rel_err(logits, ref_logits):.2e}"
     np.testing.assert_array_equal(logits.argmax(-1), ref_logits.argmax(-1))
-    np.testing.assert_array_equal(_greedy(handle, tokens), ref_greedy)
+    # Cached generation on the mesh (paged cache placed on the mesh, MoE expert-parallel) gives the
+    # one-device greedy tokens.
+    got = handle.generate([p.tolist() for p in tokens[:, :PROMPT]], max_new_tokens=NEW, temperature=0,
+                          ignore_eos=True)
+    np.testing.assert_array_equal(np.array([r.token_ids for r in got]), ref_greedy)
 
 
 @pytest.mark.parametrize("kind,spec,capacity", [
