@@ -83,7 +83,7 @@ nbytes = write_checkpoint(hf_dir, ModelConfig.preset("tiny"), fp8=False, data="r
 Tokenizer.default().save_to(hf_dir)
 print(f"HF checkpoint: {nbytes / 1e6:.1f} MB in", sorted(p.name for p in hf_dir.iterdir()))
 
-report = convert(hf_dir, ckpt_dir, progress=False)  # CLI: python -m convert <hf_dir> <ckpt_dir>
+report = convert(hf_dir, ckpt_dir)  # with a progress bar; CLI: python -m convert <hf_dir> <ckpt_dir>
 print(report.table())
 """),
     md("""
