@@ -18,10 +18,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsv3_jax import checkpoint, sharding
+from dsv3_jax import checkpoint, decode, sharding
 from dsv3_jax.attention import ATTENTION_FORMS
 from dsv3_jax.config import ModelConfig
-from dsv3_jax.decode import Decoder, GenerationResult, make_sampling
+from dsv3_jax.decode import GenerationResult, sampling_settings
 from dsv3_jax.model import Transformer
 from dsv3_jax.sampling import load_generation_defaults
 from dsv3_jax.tokenizer import Tokenizer
@@ -85,10 +85,6 @@ class ModelHandle:
             out = self._forward(self.params, glob)
         return np.asarray(out.addressable_data(0), dtype=np.float32)[:b]
 
-    @functools.cached_property
-    def _decoder(self) -> Decoder:
-        return Decoder(self)
-
     def _encode(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
@@ -99,23 +95,24 @@ class ModelHandle:
     def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]], *,
                  max_new_tokens: int = 64, temperature: float | None = None, top_p: float | None = None,
                  top_k: int | None = None, seed: int = 0, stop: str | Sequence[str] | None = None,
-                 stream: bool = False, ignore_eos: bool = False):
-        """Generate for one prompt or a batch (strings or token-id lists).
+                 stream: bool = False, ignore_eos: bool = False, spec_k: int = 0):
+        """Generate for one prompt or a batch (strings or token-id lists) through the serving engine.
 
         Returns a list of `GenerationResult` (one per prompt; a single result for a single prompt).
         With `stream=True` returns an iterator of text pieces (str) for a single prompt, or of
         (prompt index, piece) pairs for a batch. Sampling defaults come from generation_config.json;
-        temperature 0 is greedy.
+        temperature 0 is greedy. `spec_k` > 0 drafts that many tokens per step with the MTP head
+        (speculative decoding; greedy output is unchanged, sampled output keeps its distribution).
+        Prompt i samples with seed `seed + i`.
         """
         single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], (int, np.integer)))
         batch = [prompts] if single else list(prompts)
         ids = [self._encode(p) for p in batch]
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         eos = [] if ignore_eos else self._eos_ids()
-        it = self._decoder.stream(ids, max_new_tokens=max_new_tokens, seed=seed, eos_ids=eos, stop=stops,
-                                  sampling=make_sampling(len(ids), self.generation_defaults, temperature,
-                                                         top_p, top_k),
-                                  tokenizer=self.tokenizer)
+        settings = sampling_settings(self.generation_defaults, temperature, top_p, top_k)
+        it = decode.stream(self, ids, max_new_tokens=max_new_tokens, seed=seed, eos_ids=eos, stop=stops,
+                           sampling=[settings] * len(ids), tokenizer=self.tokenizer, spec_k=spec_k)
         if stream:
             return (piece if single else (i, piece) for i, piece, res in it if res is None and piece)
         results: list[GenerationResult | None] = [None] * len(ids)

@@ -1,26 +1,22 @@
-"""Cached batched generation: prefill prompts of different lengths, then decode steps on device.
+"""Generation on top of the serving engine: what `handle.generate` and the CLI call.
 
-Owns: prompt validation against the context, the jitted prefill and decode-step functions (model +
-sampler in one call, the cache donated), stop handling (EOS, stop strings, max_new_tokens), streaming
-through the incremental detokenizer, and per-request timings. The cache is contiguous per sequence;
-the serving engine's paged cache keeps the same per-token layout. Must not parse CLI flags or files.
+Owns: prompt validation against the context, sizing an engine for a batch of prompts, stop strings
+(cancelling the request in the engine), streaming text through the incremental detokenizer, results
+with timings, and placing page pools on a handle's mesh. Decoding itself (batched prefill, decode steps
+on device, sampling, MTP) is the engine's. Must not parse CLI flags or files.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
 from dsv3_jax import cache as kv_cache
-from dsv3_jax.cache import PageMeta
-from dsv3_jax.sampling import SamplingParams, sample, validate_sampling_params
+from dsv3_jax.sampling import validate_sampling_params
 from dsv3_jax.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -35,153 +31,95 @@ class GenerationResult:
     time_to_first_token_s: float
     decode_tokens_per_s: float
     total_time_s: float
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # engine per-request metrics
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
-def _bucket(n: int, step: int) -> int:
-    """Round up so a few shapes cover all prompt lengths (each new shape costs a compile)."""
-    return -(-n // step) * step
+def stream(handle: Any, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
+           sampling: Sequence[dict[str, float]], seed: int = 0, eos_ids: Sequence[int] = (),
+           stop: Sequence[str] = (), tokenizer: Tokenizer | None = None, spec_k: int = 0
+           ) -> Iterator[tuple[int, str, GenerationResult | None]]:
+    """Run `prompts` through a serving engine sized for them; yield (prompt index, new text piece,
+    result-or-None), the result when a prompt ends. `sampling[i]` holds temperature/top_p/top_k."""
+    from dsv3_jax.engine import Engine, EngineConfig
+
+    cfg = handle.config
+    prompts = [list(map(int, p)) for p in prompts]
+    _validate(cfg, prompts, max_new_tokens)
+    if stop and tokenizer is None:
+        raise ValueError("stop strings need a tokenizer (this checkpoint has none)")
+    ps = kv_cache.PAGE_SIZE
+    pages = sum(kv_cache.pages_for(len(p) + max_new_tokens + spec_k, ps) for p in prompts)
+    # Power-of-two pool and batch sizes: repeated calls reuse the compiled step.
+    ecfg = EngineConfig(num_pages=1 + _pow2(pages), page_size=ps, max_batch=_pow2(len(prompts)),
+                        token_budget=_pow2(len(prompts)) * 256, chunk_size=256, spec_k=spec_k)
+    eng = Engine(handle, ecfg)
+    rids = {eng.add_request(p, max_new_tokens=max_new_tokens, seed=seed + i, eos=eos_ids, **sampling[i]): i
+            for i, p in enumerate(prompts)}
+    detok = {r: IncrementalDetokenizer(tokenizer) if tokenizer else None for r in rids}
+    texts = {r: "" for r in rids}
+    stopped: set[int] = set()
+    t0 = time.perf_counter()
+    while eng.has_work():
+        for ev in eng.step():
+            i, d = rids[ev.rid], detok[ev.rid]
+            finish = None
+            for tok in ev.new_tokens:
+                piece = d.add(tok) if d else ""
+                cut = _stop_cut(texts[ev.rid], piece, stop)
+                if cut is not None:
+                    piece, finish = cut, "stop"
+                texts[ev.rid] += piece
+                if piece:
+                    yield i, piece, None
+                if finish:
+                    break
+            if finish and not ev.finished:
+                eng.cancel(ev.rid)
+                stopped.add(ev.rid)
+            if ev.finished or finish:
+                yield from _result(eng, ev.rid, i, texts, d, tokenizer, stopped, t0)
 
 
-class Decoder:
-    """Jitted prefill/decode for one model handle; reused across `generate` calls (compiles once)."""
+def _result(eng, rid, i, texts, d, tokenizer, stopped, t0):
+    r = eng.finished[rid]
+    reason = "stop" if rid in stopped else r.finish_reason
+    if d and reason == "length":
+        tail = d.flush()
+        texts[rid] += tail
+        if tail:
+            yield i, tail, None
+    m = r.metrics()
+    total = time.perf_counter() - t0
+    ttft = m["ttft_s"]
+    n_dec = max(len(r.output) - 1, 0)
+    rate = n_dec / (total - ttft) if n_dec and total > ttft else 0.0
+    yield i, "", GenerationResult(r.prompt, r.output, texts[rid] if tokenizer else None, reason, ttft, rate,
+                                  total, m)
 
-    def __init__(self, handle: Any):
-        self.handle = handle
-        self.model = handle.model
-        self.cfg = handle.config
 
-    @functools.cached_property
-    def _prefill(self):
-        def prefill(params, cache, table, tokens, lengths, sp, keys):
-            b, t = tokens.shape
-            pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-            logits, _, cache = self.model.apply({"params": params}, tokens, pos, cache,
-                                                PageMeta(table, lengths))
-            last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
-            return sample(last, sp, keys), cache
+def _pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
-        return jax.jit(prefill, donate_argnums=(1,))
 
-    @functools.cached_property
-    def _step(self):
-        def step(params, cache, table, tokens, pos, sp, keys):
-            meta = PageMeta(table, jnp.ones_like(pos))
-            logits, _, cache = self.model.apply({"params": params}, tokens[:, None], pos[:, None],
-                                                cache, meta)
-            return sample(logits[:, 0], sp, keys), cache
-
-        return jax.jit(step, donate_argnums=(1,))
-
-    def stream(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, sampling: SamplingParams,
-               seed: int = 0, eos_ids: Sequence[int] = (), stop: Sequence[str] = (),
-               tokenizer: Tokenizer | None = None) -> Iterator[tuple[int, str, GenerationResult | None]]:
-        """Yield (prompt index, new text piece, result-or-None); the result comes when a prompt ends."""
-        cfg = self.cfg
-        prompts = [list(map(int, p)) for p in prompts]
-        self._validate(prompts, max_new_tokens)
-        if stop and tokenizer is None:
-            raise ValueError("stop strings need a tokenizer (this checkpoint has none)")
-        n_real = len(prompts)
-        if self.handle.mesh is not None:  # every batch shard (data x expert) needs whole rows
-            from dsv3_jax import sharding
-
-            pad = -n_real % sharding.batch_multiple(self.handle.mesh)
-            prompts = prompts + [[cfg.bos_token_id]] * pad
-            sampling = SamplingParams(*(jnp.concatenate([a, jnp.repeat(a[-1:], pad)]) for a in
-                                        (sampling.temperature, sampling.top_p, sampling.top_k)))
-        b = len(prompts)
-        lengths = np.array([len(p) for p in prompts], np.int32)
-        t_pad = min(_bucket(int(lengths.max()), 16), cfg.max_position_embeddings)
-        max_len = min(_bucket(int(lengths.max()) + max_new_tokens, kv_cache.PAGE_SIZE),
-                      cfg.max_position_embeddings)
-        toks = np.zeros((b, t_pad), np.int32)
-        for i, p in enumerate(prompts):
-            toks[i, : len(p)] = p
-        cache, table = kv_cache.allocate_contiguous(cfg, b, max_len, self.handle.attention,
-                                                    jnp.dtype(cfg.dtype))
-        cache = place_cache(self.handle, cache)
-        table = jnp.asarray(table)
-        base = jax.random.key(seed)
-        row_keys = jax.vmap(lambda i: jax.random.fold_in(base, i))(jnp.arange(b))
-
-        def keys_at(step: int):
-            return jax.vmap(lambda k: jax.random.fold_in(k, step))(row_keys)
-
-        detok = [IncrementalDetokenizer(tokenizer) if tokenizer else None for _ in range(b)]
-        out: list[list[int]] = [[] for _ in range(b)]
-        texts = ["" for _ in range(b)]
-        done = [i >= n_real for i in range(b)]  # padding rows never report
-        first_at = [0.0] * b
-        eos = set(int(e) for e in eos_ids)
-        t0 = time.perf_counter()
-        with self.handle.mesh_context():  # the MoE runs expert-parallel when traced under a mesh
-            nxt, cache = self._prefill(self.handle.params, cache, table, jnp.asarray(toks),
-                                       jnp.asarray(lengths), sampling, keys_at(0))
-        pos = lengths.copy()
-        step = 0
-        while True:
-            host = np.asarray(nxt)
-            now = time.perf_counter()
-            for i in range(b):
-                if done[i]:
-                    continue
-                tok = int(host[i])
-                if step == 0:
-                    first_at[i] = now - t0
-                finish = None
-                if tok in eos:
-                    finish = "stop"
-                else:
-                    out[i].append(tok)
-                    piece = detok[i].add(tok) if detok[i] else ""
-                    cut = _stop_cut(texts[i], piece, stop)
-                    if cut is not None:
-                        piece, finish = cut, "stop"
-                    texts[i] += piece
-                    if piece:
-                        yield i, piece, None
-                if finish is None and len(out[i]) >= max_new_tokens:
-                    finish = "length"
-                if finish is not None:
-                    done[i] = True
-                    if detok[i] and finish == "length":
-                        tail = detok[i].flush()
-                        texts[i] += tail
-                        if tail:
-                            yield i, tail, None
-                    total = time.perf_counter() - t0
-                    n_dec = max(len(out[i]) - 1, 0)
-                    rate = n_dec / (total - first_at[i]) if n_dec and total > first_at[i] else 0.0
-                    yield i, "", GenerationResult(prompts[i], out[i], texts[i] if tokenizer else None,
-                                                  finish, first_at[i], rate, total)
-            if all(done):
-                return
-            step += 1
-            with self.handle.mesh_context():
-                nxt, cache = self._step(self.handle.params, cache, table, jnp.asarray(host),
-                                        jnp.asarray(pos), sampling, keys_at(step))
-            pos = pos + 1
-
-    def _validate(self, prompts: list[list[int]], max_new_tokens: int) -> None:
-        cfg = self.cfg
-        if not prompts:
-            raise ValueError("no prompts given")
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-        for i, p in enumerate(prompts):
-            if not p:
-                raise ValueError(f"prompt {i} is empty")
-            if min(p) < 0 or max(p) >= cfg.vocab_size:
-                raise ValueError(f"prompt {i} has token ids outside [0, {cfg.vocab_size})")
-            if len(p) >= cfg.max_position_embeddings:
-                raise ValueError(f"prompt {i} has {len(p)} tokens; the context is "
-                                 f"{cfg.max_position_embeddings} tokens")
-            if len(p) + max_new_tokens > cfg.max_position_embeddings:
-                raise ValueError(f"prompt {i} ({len(p)} tokens) + max_new_tokens ({max_new_tokens}) "
-                                 f"overflows the context of {cfg.max_position_embeddings} tokens")
+def _validate(cfg: Any, prompts: list[list[int]], max_new_tokens: int) -> None:
+    if not prompts:
+        raise ValueError("no prompts given")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    for i, p in enumerate(prompts):
+        if not p:
+            raise ValueError(f"prompt {i} is empty")
+        if min(p) < 0 or max(p) >= cfg.vocab_size:
+            raise ValueError(f"prompt {i} has token ids outside [0, {cfg.vocab_size})")
+        if len(p) >= cfg.max_position_embeddings:
+            raise ValueError(f"prompt {i} has {len(p)} tokens; the context is "
+                             f"{cfg.max_position_embeddings} tokens")
+        if len(p) + max_new_tokens > cfg.max_position_embeddings:
+            raise ValueError(f"prompt {i} ({len(p)} tokens) + max_new_tokens ({max_new_tokens}) "
+                             f"overflows the context of {cfg.max_position_embeddings} tokens")
 
 
 def place_cache(handle: Any, cache: dict) -> dict:
@@ -211,11 +149,11 @@ def _stop_cut(text_so_far: str, piece: str, stop: Sequence[str]) -> str | None:
     return full[: min(hits)][len(text_so_far):]
 
 
-def make_sampling(batch: int, defaults: dict[str, Any], temperature: float | None, top_p: float | None,
-                  top_k: int | None) -> SamplingParams:
+def sampling_settings(defaults: dict[str, Any], temperature: float | None, top_p: float | None,
+                      top_k: int | None) -> dict[str, float]:
     """Flags override the checkpoint's generation_config defaults; temperature 0 is greedy."""
     t = defaults.get("temperature", 1.0) if temperature is None else temperature
     p = defaults.get("top_p", 1.0) if top_p is None else top_p
     k = defaults.get("top_k", 0) if top_k is None else top_k
     validate_sampling_params(t, p, k)
-    return SamplingParams.make(batch, temperature=t, top_p=p, top_k=k)
+    return {"temperature": float(t), "top_p": float(p), "top_k": int(k)}

@@ -87,7 +87,8 @@ class Request:
         itl = float(np.median(np.diff(self.token_times))) if len(self.token_times) > 1 else float("nan")
         total = (self.token_times[-1] - self.arrival) if self.token_times else float("nan")
         nan = float("nan")
-        return {"ttft_s": ttft, "inter_token_s": itl, "tokens_per_s": len(self.output) / total if total else 0,
+        rate = len(self.output) / total if total else 0.0
+        return {"ttft_s": ttft, "inter_token_s": itl, "tokens_per_s": rate,
                 "cached_prompt_tokens": self.cached_tokens, "preemptions": self.preemptions,
                 "spec_acceptance": self.spec_accepted / self.spec_proposed if self.spec_proposed else nan,
                 "tokens_per_step": len(self.output) / self.steps if self.steps else nan}
@@ -112,9 +113,16 @@ class Engine:
             raise ValueError("spec_k > 0 needs the checkpoint's MTP layer (num_nextn_predict_layers >= 1)")
         if c.chunk_size < 1 or c.token_budget < c.spec_k + 1 or c.max_batch < 1:
             raise ValueError("chunk_size, max_batch must be >= 1 and token_budget >= spec_k + 1")
+        if handle.mesh is not None:  # every batch shard (data x expert) needs whole rows
+            from dsv3_jax import sharding
+
+            m = sharding.batch_multiple(handle.mesh)
+            self.cfg = c = dataclasses.replace(c, max_batch=-(-c.max_batch // m) * m)
         self.pool = PagePool(c.num_pages, c.page_size, c.prefix_caching)
-        self.cache = kv_cache.allocate(mc, c.num_pages, c.page_size, handle.attention, jnp.dtype(mc.dtype),
-                                       mtp=bool(c.spec_k))
+        from dsv3_jax.decode import place_cache
+
+        self.cache = place_cache(handle, kv_cache.allocate(mc, c.num_pages, c.page_size, handle.attention,
+                                                           jnp.dtype(mc.dtype), mtp=bool(c.spec_k)))
         ctx = min(mc.max_position_embeddings, (c.num_pages - 1) * c.page_size)
         self._max_pages = kv_cache.pages_for(ctx, c.page_size)
         self.waiting: deque[Request] = deque()
@@ -260,10 +268,11 @@ class Engine:
             temp[i], top_p[i], top_k[i] = r.temperature, r.top_p, r.top_k
             seeds[i], counters[i] = r.seed, len(r.output)
         sp = SamplingParams(jnp.asarray(temp), jnp.asarray(top_p), jnp.asarray(top_k))
-        out = self._device_step(k, qprobs is not None)(
-            self.handle.params, self.cache, jnp.asarray(toks), jnp.asarray(start), jnp.asarray(lens),
-            jnp.asarray(table), sp, jnp.asarray(seeds), jnp.asarray(counters), jnp.asarray(ndraft),
-            jnp.asarray(final), jnp.asarray(hint), qprobs)
+        with self.handle.mesh_context():  # the MoE runs expert-parallel when traced under a mesh
+            out = self._device_step(k, qprobs is not None)(
+                self.handle.params, self.cache, jnp.asarray(toks), jnp.asarray(start), jnp.asarray(lens),
+                jnp.asarray(table), sp, jnp.asarray(seeds), jnp.asarray(counters), jnp.asarray(ndraft),
+                jnp.asarray(final), jnp.asarray(hint), qprobs)
         self.cache = out["cache"]
         new_tokens, n_new = np.asarray(out["tokens"]), np.asarray(out["n_new"])
         drafts = np.asarray(out["drafts"]) if k else None
@@ -393,8 +402,9 @@ class Engine:
                 dprobs.append(q)
                 if j + 1 < k:  # recurse: the MTP layer again, on its own hidden and the draft
                     dpos = dpos + 1
-                    dl3, dh, cache = model.apply({"params": params}, dh, d[:, None], dpos, cache,
-                                                 PageMeta(table, jnp.ones_like(lens)), method=model.mtp_logits)
+                    one = PageMeta(table, jnp.ones_like(lens))
+                    dl3, dh, cache = model.apply({"params": params}, dh, d[:, None], dpos, cache, one,
+                                                 method=model.mtp_logits)
                     dl = dl3[:, 0]
             res.update(cache=cache, drafts=jnp.stack(drafts, 1), draft_probs=jnp.stack(dprobs, 1))
             return res

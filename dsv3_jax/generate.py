@@ -39,6 +39,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--mesh", help="e.g. data=1,tensor=8,expert=1")
     p.add_argument("--attention", choices=["absorbed", "naive"], default="absorbed")
     p.add_argument("--dtype", help="override the checkpoint dtype (e.g. float32, bfloat16)")
+    p.add_argument("--mtp", type=int, default=0, metavar="K",
+                   help="speculative decoding with K MTP draft tokens per step (0 = off, up to 3)")
+    p.add_argument("--stats", action="store_true", help="print per-request and engine metrics")
     p.add_argument("--json", action="store_true", help="print machine-readable results (JSON lines)")
     return p
 
@@ -97,18 +100,30 @@ def _to_ids(handle, item: Any, args: argparse.Namespace) -> list[int]:
 
 def _gen_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                top_k=args.top_k, seed=args.seed, stop=args.stop or None)
+                top_k=args.top_k, seed=args.seed, stop=args.stop or None, spec_k=args.mtp)
+
+
+def _print_stats(results) -> None:
+    for i, r in enumerate(results):
+        m = r.metrics
+        print(f"[stats] request {i}: {len(r.token_ids)} tokens, ttft {r.time_to_first_token_s * 1e3:.0f} ms, "
+              f"inter-token {m.get('inter_token_s', float('nan')) * 1e3:.1f} ms, "
+              f"{r.decode_tokens_per_s:.1f} tok/s, prefix-cached {m.get('cached_prompt_tokens', 0)}, "
+              f"MTP acceptance {m.get('spec_acceptance', float('nan')):.2f}, "
+              f"tokens/step {m.get('tokens_per_step', float('nan')):.2f}", file=sys.stderr)
 
 
 def _run_batch(handle, args: argparse.Namespace) -> None:
     ids = [_to_ids(handle, it, args) for it in _read_inputs(args)]
-    if args.json or len(ids) > 1:
+    if args.json or len(ids) > 1 or args.stats:
         results = handle.generate(ids, **_gen_kwargs(args))
         for i, r in enumerate(results):
             if args.json:
                 print(json.dumps({"index": i, **r.to_dict()}, ensure_ascii=False))
             else:
                 print(f"--- [{i}] ({r.finish_reason})\n{r.text}")
+        if args.stats:
+            _print_stats(results)
         return
     t0 = time.perf_counter()
     n = 0
@@ -147,6 +162,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+        from dsv3_jax.sampling import validate_sampling_params
+
+        validate_sampling_params(1.0 if args.temperature is None else args.temperature,
+                                 1.0 if args.top_p is None else args.top_p,
+                                 0 if args.top_k is None else args.top_k)  # fail before loading
+        if not 0 <= args.mtp <= 3:
+            raise ValueError(f"--mtp must be in 0..3, got {args.mtp}")
         handle = _load(args)
         if handle.tokenizer is None:
             raise ValueError(f"{args.ckpt}: no tokenizer.json in the checkpoint; the CLI needs one")

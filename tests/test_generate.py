@@ -120,6 +120,12 @@ def test_cli_end_to_end_json(text_ckpt, tmp_path):
     assert [x["index"] for x in rows] == [0, 1, 2]
     assert all(len(x["token_ids"]) <= 5 and x["finish_reason"] in ("stop", "length") for x in rows)
     assert rows[1]["prompt_token_ids"][:2] == [0, 128803]  # BOS, <｜User｜> from the chat template
+    assert all("ttft_s" in x["metrics"] for x in rows)
+    r = _cli("--ckpt", str(text_ckpt), "--prompt", "Hi", "--stats", "--max-new-tokens", "3")
+    assert r.returncode == 0 and "[stats] request 0: 3 tokens" in r.stderr, r.stderr
+    # transformers' save_pretrained drops the MTP layer: speculative decoding must say so.
+    r = _cli("--ckpt", str(text_ckpt), "--prompt", "Hi", "--mtp", "1")
+    assert r.returncode == 2 and "MTP layer" in r.stderr and "Traceback" not in r.stderr
 
 
 @pytest.mark.parametrize("args, match", [
