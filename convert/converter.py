@@ -433,7 +433,7 @@ def convert(src: str | Path, dst: str | Path, *, dtype: str = "auto", ue8m0: boo
             time.sleep(delay)
         return r
 
-    from tqdm import tqdm
+    from tqdm.auto import tqdm  # renders as a widget in notebooks
 
     bar = tqdm(total=sum(u.nbytes for u in units), initial=sum(u.nbytes for u in units if u.id in done),
                unit="B", unit_scale=True, desc="converting", disable=not progress, file=sys.stderr,

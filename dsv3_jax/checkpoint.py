@@ -66,7 +66,15 @@ def load_hf_params(src: str | Path, cfg: ModelConfig, *, dtype: jnp.dtype,
     index = hf_tensor_index(src)
     names = [n for n in index if include_mtp or hf_names.hf_target(n, cfg) is None
              or hf_names.hf_target(n, cfg).path[0] != "mtp"]
-    tree = hf_names.assemble(cfg, names, lambda n: read_tensor(index[n]))
+    from tqdm.auto import tqdm  # a widget in notebooks, a bar on terminals
+
+    tree: dict[str, Any] = {}
+    total = sum(index[n].nbytes for n in names)
+    with tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {Path(src).name}", leave=False,
+              disable=total < 256 * 2**20) as bar:  # no bar for tiny test checkpoints
+        for path, leaf in hf_names.iter_leaves(cfg, names, lambda n: read_tensor(index[n])):
+            hf_names.set_path(tree, path, leaf)
+            bar.update(leaf.nbytes)
     tree = {k: v for k, v in tree.items() if include_mtp or k != "mtp"}
     return cast_tree(tree, dtype)
 
