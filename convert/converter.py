@@ -524,5 +524,20 @@ def _finish_rename(tmp: Path, dst: Path, force: bool, report: ConvertReport,
     report.dst = str(dst)
     if t0 is not None:
         report.seconds = time.perf_counter() - t0
-    report.peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    report.peak_rss = peak_rss()
     return report
+
+
+def peak_rss() -> int:
+    """Peak resident bytes of this process's own address space.
+
+    /proc's VmHWM starts afresh at exec; getrusage's ru_maxrss does not (a child forked from a large
+    parent inherits the parent's size), so it is only the fallback off Linux.
+    """
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
