@@ -257,6 +257,29 @@ def main() -> None:
     except Exception as e:  # noqa: BLE001
         res["check_error"] = repr(e)
     save()
+    # Prefill: one 4096-token chunk (batch 1) through the paged cache.
+    if left() > 100:
+        t = 512 if args.tiny else 4096
+        try:
+            ps = kv_cache.PAGE_SIZE
+            table = jnp.asarray(kv_cache.contiguous_table(1, t, ps))
+            cache = kv_cache.allocate(cfg, 1 + table.size, ps, "absorbed", jnp.bfloat16)
+            toks = jnp.asarray(np.random.default_rng(2).integers(0, cfg.vocab_size, (1, t)), jnp.int32)
+            pos = jnp.arange(t, dtype=jnp.int32)[None]
+            meta = PageMeta(table, jnp.full((1,), t, jnp.int32))
+            f = jax.jit(lambda p, c: model.apply({"params": p}, toks, pos, c, meta)[0][:, -1])
+            r = timeit(lambda: f(params, cache), max(3, args.reps // 3))
+            flops = 2 * cfg.param_count(activated=True) * t
+            # Causal absorbed attention: scores over 576 and values over 512 per head, half the square.
+            h, lat = cfg.num_attention_heads, cfg.latent_dim + cfg.kv_lora_rank
+            flops += 2 * cfg.num_hidden_layers * h * lat * t * t / 2
+            res["prefill"] = {"tokens": t, **r, "tokens_per_s": t / (r["median_ms"] / 1e3),
+                              "compute_floor_ms": 1e3 * flops / (res["fp8_tflops"] * 1e12)}
+            res["prefill"]["ratio_to_floor"] = r["median_ms"] / res["prefill"]["compute_floor_ms"]
+        except Exception as e:  # noqa: BLE001
+            res["prefill_error"] = repr(e)[:400]
+        save()
+
     cases = [(1, 1024), (64, 8192), (1, 32768), (256, 1024), (8, 8192), (64, 32768), (64, 1024),
              (1, 8192), (8, 1024), (256, 8192), (8, 32768)]
     if args.tiny:
@@ -279,29 +302,6 @@ def main() -> None:
             row["error"] = repr(e)[:400]
         res["decode"].append(row)
         save()
-    # Prefill: one 4096-token chunk (batch 1) through the paged cache.
-    if left() > 40:
-        t = 512 if args.tiny else 4096
-        try:
-            ps = kv_cache.PAGE_SIZE
-            table = jnp.asarray(kv_cache.contiguous_table(1, t, ps))
-            cache = kv_cache.allocate(cfg, 1 + table.size, ps, "absorbed", jnp.bfloat16)
-            toks = jnp.asarray(np.random.default_rng(2).integers(0, cfg.vocab_size, (1, t)), jnp.int32)
-            pos = jnp.arange(t, dtype=jnp.int32)[None]
-            meta = PageMeta(table, jnp.full((1,), t, jnp.int32))
-            f = jax.jit(lambda p, c: model.apply({"params": p}, toks, pos, c, meta)[0][:, -1])
-            r = timeit(lambda: f(params, cache), max(3, args.reps // 3))
-            flops = 2 * cfg.param_count(activated=True) * t
-            # Causal absorbed attention: scores over 576 and values over 512 per head, half the square.
-            h, lat = cfg.num_attention_heads, cfg.latent_dim + cfg.kv_lora_rank
-            flops += 2 * cfg.num_hidden_layers * h * lat * t * t / 2
-            res["prefill"] = {"tokens": t, **r, "tokens_per_s": t / (r["median_ms"] / 1e3),
-                              "compute_floor_ms": 1e3 * flops / (res["fp8_tflops"] * 1e12)}
-            res["prefill"]["ratio_to_floor"] = r["median_ms"] / res["prefill"]["compute_floor_ms"]
-        except Exception as e:  # noqa: BLE001
-            res["prefill_error"] = repr(e)[:400]
-        save()
-
     print(f"\ndevice {res['device']}  copy {res['copy_bw_gbs']:.0f} GB/s  fp8 {res['fp8_tflops']:.0f} TFLOP/s  "
           f"weights {res['config']['weight_gb']:.1f} GB  check {res.get('check') or res.get('check_error')}")
     print(f"{'batch':>6} {'ctx':>6} {'step ms':>9} {'min':>7} {'max':>7} {'floor ms':>9} {'ratio':>6} {'xla ms':>8}")
