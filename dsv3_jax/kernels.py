@@ -127,8 +127,10 @@ def mla_attention(q_latent: jax.Array, q_rope: jax.Array, kv_pages: jax.Array, b
         if fits:
             from pallas_kernels.mla_prefill import mla_prefill
 
+            # Off the GPU (forced "pallas" in tests) the kernel runs in Pallas' GPU interpreter.
             return mla_prefill(q_latent.astype(kv_pages.dtype), q_rope.astype(kv_pages.dtype), kv_pages,
-                               block_table, start_pos, chunk_lens, softmax_scale=softmax_scale)
+                               block_table, start_pos, chunk_lens, softmax_scale=softmax_scale,
+                               interpret=jax.default_backend() != "gpu")
         _log_mla_shape_fallback(tuple(q_latent.shape[-1:]), str(kv_pages.dtype))
     return mla_reference.mla_prefill_reference(q_latent, q_rope.astype(q_latent.dtype),
                                                kv_pages.astype(q_latent.dtype), block_table, start_pos,
