@@ -131,7 +131,7 @@ def test_sampled_speculation_keeps_the_distribution():
     """Two sampled tokens after a fixed prompt, with and without MTP drafts: same joint distribution."""
     cfg = CFG.replace(vocab_size=8)
     h = ModelHandle(cfg, _mtp_friendly_params(cfg, 5, 2.0))
-    n = 384
+    n = 256
 
     def joint(spec_k):
         eng = Engine(h, EngineConfig(num_pages=200, page_size=4, max_batch=128, token_budget=1024,
