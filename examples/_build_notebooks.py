@@ -553,7 +553,9 @@ fig.savefig(OUT / "04_timing.png", dpi=100)
     """),
     code("""
 ROOT = next(p for p in [Path.cwd(), *Path.cwd().parents] if (p / "benchmarks" / "results").is_dir())
-files = sorted((ROOT / "benchmarks" / "results").glob("*.json"))
+# Only the kernel benchmarks' files carry a "results" list; e2e_bench writes its own layout.
+files = sorted(f for f in (ROOT / "benchmarks" / "results").glob("*.json")
+               if f.name.startswith(("mla_bench", "moe_gemm_bench")))
 print([f.name for f in files])
 mla, moe = {}, []
 for f in files:
