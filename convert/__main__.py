@@ -29,7 +29,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ue8m0", action="store_true",
                    help="with --dtype fp8 on a BF16 source: power-of-two (UE8M0) block scales")
     p.add_argument("--no-mtp", action="store_true", help="leave out the MTP (next-token draft) layer")
-    p.add_argument("--workers", type=int, default=2, help="conversion threads (default 2)")
+    p.add_argument("--workers", type=int, default=4,
+                   help="conversion threads (default 4: the work is I/O, threads overlap reads and writes)")
     p.add_argument("--force", action="store_true",
                    help="replace an existing DST (only once the new one is complete)")
     p.add_argument("--resume", action="store_true", help="continue an interrupted conversion into DST")

@@ -343,6 +343,27 @@ def test_tiled_streaming_equals_whole_slab(fp8_source, tiny, converted, tmp_path
         assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, np.float32])
+def test_chunk_files_read_back_through_tensorstore(tmp_path, dtype):
+    """Chunks written by ChunkFiles (row slabs, tiles, padded edge chunks) are what tensorstore reads."""
+    rng = np.random.default_rng(0)
+    shape, chunks = (2, 3, 300, 200), (1, 1, 128, 128)  # 300 and 200 leave padded edge chunks
+    full = rng.standard_normal(shape).astype(np.float32).astype(dtype)
+    orbax_io.open_leaf(tmp_path, ("w",), shape, np.dtype(dtype), chunks)
+    files = orbax_io.ChunkFiles(tmp_path, ("w",), shape, np.dtype(dtype), chunks)
+    for layer in range(2):
+        for e in range(3):
+            for r0 in range(0, 300, 128):
+                files.write((layer, e, r0, 0), full[layer:layer + 1, e:e + 1, r0:r0 + 128])
+    back = orbax_io.read_leaf(tmp_path, ("w",))
+    assert back.dtype == np.dtype(dtype) and np.array_equal(back.view(np.uint8), full.view(np.uint8))
+    # A region that is not made of whole chunks would need a read-modify-write: refused, naming the leaf.
+    with pytest.raises(ValueError, match="w: rows \\[64, 192\\) of axis 2"):
+        files.write((0, 0, 64, 0), full[:1, :1, 64:192])
+    with pytest.raises(ValueError, match="does not fit"):
+        files.write((0, 0, 0, 0), full[:1, :1, :128].astype(np.float16))
+
+
 # ------------------------------------------------------------------------------------- resume
 def _files(d: Path) -> dict[str, bytes]:
     return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
