@@ -3,8 +3,9 @@
 Owns: the on-disk layout of `DST/params/` (the layout Orbax's PyTreeCheckpointer writes without OCDBT:
 a zarr v2 array per leaf named by its dotted tree path, plus the `_METADATA` tree description), the
 chunking rule, creating each array through tensorstore and writing its chunk files slab by slab
-(`ChunkFiles`; a stacked [L, E, out, in] leaf is never held whole), and restoring leaves onto given shardings with Orbax so that each process reads only
-the chunks its devices hold. Must not know HF names or the model's math.
+(`ChunkFiles`; a stacked [L, E, out, in] leaf is never held whole), and restoring leaves onto given
+shardings with Orbax so that each process reads only the chunks its devices hold. Must not know HF
+names or the model's math.
 """
 
 from __future__ import annotations
