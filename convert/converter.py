@@ -283,6 +283,16 @@ class _Sink:
             start = (*head, r0, *(0,) * (block.ndim - 1))
             self.files.write(start, block.reshape((1,) * len(head) + block.shape))
 
+    def copy(self, sub: tuple[int, ...], info: TensorInfo) -> bool:
+        """Copy a whole tensor file to chunk files in the kernel when its chunks are contiguous byte
+        ranges of it (tiled leaf, chunks spanning full rows, no dtype change); False if they are not."""
+        if self.buf is not None or len(info.shape) != 2 or self.files.chunks[-1] != info.shape[1]:
+            return False
+        head = (*self.lead, *sub)
+        self.files.copy_rows((*head, 0, 0), info.file, info.start, info.shape[0])
+        self.bytes += info.nbytes
+        return True
+
     def close(self) -> None:
         if self.buf is not None:
             self.files.write((*self.lead, *(0,) * self.buf.ndim), self.buf.reshape((1,) * len(self.lead)
@@ -307,6 +317,8 @@ def run_unit(unit: Unit, src: Source, stores: dict[LeafPath, orbax_io.ChunkFiles
                 odd.append(_scale_name(name))
             if s is not None:
                 s.put(sub, 0, scale.shape[0], scale)
+        if leaf.kind in ("fp8_copy", "cast") and DTYPES[info.dtype] == leaf.dtype and w.copy(sub, info):
+            continue
         for r0, r1 in _row_slabs(info.shape, policy.rows):
             x = _read_rows(info, r0, r1)
             b0, b1 = r0 // fp8_blocks.BLOCK, fp8_blocks.n_blocks(r1)

@@ -336,9 +336,11 @@ def test_tiled_streaming_equals_whole_slab(fp8_source, tiny, converted, tmp_path
     convert(src, tmp_path / "b", dtype="bf16", policy=policy, workers=3, progress=False)
     convert(tiny[1], tmp_path / "c", dtype="fp8", policy=policy, progress=False)
     convert(tiny[1], tmp_path / "d", dtype="fp8", progress=False)
+    convert(src, tmp_path / "e", dtype="auto", policy=policy, progress=False)  # e4m3 rows copied as is
+    convert(src, tmp_path / "f", dtype="auto", progress=False)
     m = json.loads((tmp_path / "b" / COMPLETE_MARKER).read_text())["leaves"]
     assert m["dense_layers.mlp.up_proj.weight"][2] == [1, 128, 64]  # tiled, not one slab
-    for x, y in (("a", "b"), ("c", "d")):
+    for x, y in (("a", "b"), ("c", "d"), ("e", "f")):
         a, b = leaves_of(tmp_path / x), leaves_of(tmp_path / y)
         assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
 
@@ -362,6 +364,35 @@ def test_chunk_files_read_back_through_tensorstore(tmp_path, dtype):
         files.write((0, 0, 64, 0), full[:1, :1, 64:192])
     with pytest.raises(ValueError, match="does not fit"):
         files.write((0, 0, 0, 0), full[:1, :1, :128].astype(np.float16))
+
+
+@pytest.mark.parametrize("sendfile_works", [True, False])
+def test_chunk_files_copy_rows_from_a_file(tmp_path, monkeypatch, caplog, sendfile_works):
+    """Full-width row chunks are copied file to file (edge chunk zero-extended); without os.sendfile
+    the copy falls back to a buffered one and says so in the log."""
+    rng = np.random.default_rng(1)
+    shape, chunks = (2, 300, 96), (1, 128, 96)
+    full = rng.standard_normal(shape).astype(ml_dtypes.bfloat16)
+    src = tmp_path / "src.bin"
+    src.write_bytes(b"header!" + full.tobytes())
+    monkeypatch.setattr(orbax_io, "_SENDFILE_WORKS", True)
+    if not sendfile_works:
+        def broken(*a):
+            raise OSError(22, "Invalid argument")
+        monkeypatch.setattr(os, "sendfile", broken)
+    orbax_io.open_leaf(tmp_path, ("w",), shape, full.dtype, chunks)
+    files = orbax_io.ChunkFiles(tmp_path, ("w",), shape, full.dtype, chunks)
+    with caplog.at_level("WARNING", logger="convert.orbax_io"):
+        for layer in range(2):
+            files.copy_rows((layer, 0, 0), src, 7 + layer * full[0].nbytes, 300)
+    assert np.array_equal(orbax_io.read_leaf(tmp_path, ("w",)).view(np.uint8), full.view(np.uint8))
+    assert ("os.sendfile" in caplog.text) == (not sendfile_works)
+    assert (tmp_path / "w" / "0.2.0").stat().st_size == 128 * 96 * 2  # edge chunk stored whole
+    with pytest.raises(ValueError, match="not whole chunks"):
+        files.copy_rows((0, 64, 0), src, 7, 128)
+    tiles = orbax_io.ChunkFiles(tmp_path, ("w",), shape, full.dtype, (1, 128, 64))
+    with pytest.raises(ValueError, match="do not hold whole rows"):
+        tiles.copy_rows((0, 0, 0), src, 7, 300)
 
 
 # ------------------------------------------------------------------------------------- resume
@@ -459,7 +490,7 @@ def test_full_size_sparse_checkpoint_validates_and_plans(tmp_path):
     assert len({u.leaf.path for u in units}) == 55
     experts = [u for u in units if u.leaf.path == ("moe_layers", "mlp", "gate_proj_weight")]
     assert len(experts) == 58 and experts[0].leaf.shape == (58, 256, 2048, 7168)
-    assert experts[0].leaf.chunks == (1, 1, 2048, 4096) and not experts[0].leaf.whole
+    assert experts[0].leaf.chunks == (1, 1, 2048, 7168) and not experts[0].leaf.whole  # whole rows
     shard = sorted(src.glob("*.safetensors"))[77]
     os.truncate(shard, shard.stat().st_size - 1)
     with pytest.raises(ValidationError, match=f"{shard.name}: truncated"):
