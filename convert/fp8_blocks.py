@@ -29,31 +29,48 @@ def _pad_to_blocks(x: np.ndarray) -> np.ndarray:
     return np.pad(x, ((0, pr), (0, pc))) if pr or pc else x
 
 
+# Every e4m3 bit pattern's value: indexing this table converts e4m3 -> fp32 ~3x faster than astype.
+_E4M3_TO_F32 = np.arange(256, dtype=np.uint8).view(FP8).astype(np.float32)
+
+
 def quantize(w: np.ndarray, *, ue8m0: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """[R, C] float -> (e4m3 [R, C], fp32 scale [ceil(R/128), ceil(C/128)]) with w ~= q * scale."""
+    """[R, C] float -> (e4m3 [R, C], fp32 scale [ceil(R/128), ceil(C/128)]) with w ~= q * scale.
+
+    Works one 128-row block at a time, so the fp32 temporaries are 128 rows, not the whole slab."""
     if w.ndim != 2:
         raise ValueError(f"quantize: w must be 2-D [out, in], got shape {w.shape}")
     r, c = w.shape
-    x = _pad_to_blocks(w.astype(np.float32, copy=False))
-    rb, cb = x.shape[0] // BLOCK, x.shape[1] // BLOCK
-    blocks = x.reshape(rb, BLOCK, cb, BLOCK)
-    amax = np.abs(blocks).max(axis=(1, 3))
-    scale = np.maximum(amax, _AMAX_FLOOR) / FP8_MAX
-    if ue8m0:
-        scale = np.exp2(np.ceil(np.log2(scale)))
-    scale = scale.astype(np.float32)
-    q = np.clip(blocks / scale[:, None, :, None], -FP8_MAX, FP8_MAX).astype(FP8)
-    return q.reshape(rb * BLOCK, cb * BLOCK)[:r, :c], scale
+    cb = n_blocks(c)
+    q = np.empty((r, c), FP8)
+    scale = np.empty((n_blocks(r), cb), np.float32)
+    for b, r0 in enumerate(range(0, r, BLOCK)):
+        x = _pad_to_blocks(w[r0:r0 + BLOCK].astype(np.float32))
+        blocks = x.reshape(x.shape[0], cb, BLOCK)
+        amax = np.abs(blocks).max(axis=(0, 2))
+        s = np.maximum(amax, _AMAX_FLOOR) / FP8_MAX
+        if ue8m0:
+            s = np.exp2(np.ceil(np.log2(s)))
+        scale[b] = s
+        blocks /= scale[b][None, :, None]
+        q[r0:r0 + BLOCK] = np.clip(blocks, -FP8_MAX, FP8_MAX).astype(FP8).reshape(x.shape)[:r - r0, :c]
+    return q, scale
 
 
 def dequantize(q: np.ndarray, scale: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    """e4m3 [R, C] times its block scales [ceil(R/128), ceil(C/128)] -> `dtype` [R, C]."""
+    """e4m3 [R, C] times its block scales [ceil(R/128), ceil(C/128)] -> `dtype` [R, C].
+
+    One 128-row block at a time (fp32 temporaries of 128 rows), e4m3 decoded through a lookup table."""
     r, c = q.shape
     if scale.shape != (n_blocks(r), n_blocks(c)):
         raise ValueError(f"dequantize: scale shape {scale.shape} does not cover weight {q.shape} "
                          f"in 128x128 blocks (want {(n_blocks(r), n_blocks(c))})")
-    s = np.repeat(np.repeat(scale.astype(np.float32), BLOCK, axis=0)[:r], BLOCK, axis=1)[:, :c]
-    return (q.astype(np.float32) * s).astype(dtype)
+    out = np.empty((r, c), dtype)
+    bits = q.view(np.uint8)
+    for b, r0 in enumerate(range(0, r, BLOCK)):
+        x = np.take(_E4M3_TO_F32, bits[r0:r0 + BLOCK])
+        x *= np.repeat(scale[b].astype(np.float32), BLOCK)[:c]
+        out[r0:r0 + BLOCK] = x
+    return out
 
 
 def is_power_of_two(scale: np.ndarray) -> np.ndarray:
