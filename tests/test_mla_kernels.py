@@ -215,3 +215,23 @@ def test_paged_reference_is_shared_core():
                                              softmax_scale=SCALE)
     np.testing.assert_allclose(out_d, out_p, rtol=1e-6)
     np.testing.assert_allclose(lse_d, lse_c, rtol=1e-6)
+
+
+def test_package_level_names_are_the_kernels():
+    """The issue's contract: `pallas_kernels.mla_decode(...)` etc. are callable at package level."""
+    import pallas_kernels
+    from pallas_kernels import fp8_gemm, fp8_quant, fp8_reference
+
+    assert pallas_kernels.fp8_grouped_gemm is fp8_gemm.fp8_grouped_gemm
+    assert pallas_kernels.quantize_weight is fp8_quant.quantize_weight
+    assert pallas_kernels.fp8_grouped_gemm_reference is fp8_reference.fp8_grouped_gemm_reference
+    assert pallas_kernels.mla_prefill is mla_prefill
+    assert pallas_kernels.mla_decode_reference is mla_decode_reference
+    rng = np.random.default_rng(7)
+    kv, table = _make_cache(rng, [5, 90])
+    ql, qr = _queries(rng, (2, 16))
+    seq = jnp.asarray([5, 90], jnp.int32)
+    out, lse = pallas_kernels.mla_decode(ql, qr, kv, table, seq, softmax_scale=SCALE, interpret=True)
+    ref_out, ref_lse = pallas_kernels.mla_decode_reference(
+        *_f32(ql, qr), jnp.nan_to_num(kv.astype(jnp.float32)), table, seq, softmax_scale=SCALE)
+    _assert_close(out, lse, ref_out, ref_lse)
