@@ -19,7 +19,6 @@ import re
 import resource
 import shutil
 import sys
-import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -231,23 +230,17 @@ def output_config(src: Source, out_fp8: bool, hp: str, ue8m0: bool) -> dict[str,
 
 
 # ------------------------------------------------------------------------------------------ one unit
-_READ_BUFFER = threading.local()
-
-
 def _read_rows(info: TensorInfo, r0: int, r1: int) -> np.ndarray:
     """Rows [r0, r1) of a tensor (axis 0), read straight from the file into this thread's read buffer.
 
-    The result is a view of that buffer, valid until the thread's next call: every caller copies,
-    converts or writes it before reading on. Reusing one buffer avoids faulting in (and zeroing) fresh
-    pages for every slab, which cost more CPU than the read itself.
+    The result is a view of that buffer (`orbax_io.scratch_bytes`), valid until the thread's next call:
+    every caller copies, converts or writes it before reading on.
     """
     dt = DTYPES[info.dtype]
     row = int(np.prod(info.shape[1:], dtype=np.int64))
     nbytes = (r1 - r0) * row * dt.itemsize
-    buf = getattr(_READ_BUFFER, "buf", None)
-    if buf is None or buf.nbytes < nbytes:
-        buf = _READ_BUFFER.buf = np.empty(nbytes, np.uint8)
-    view, got = memoryview(buf[:nbytes]), 0
+    buf = orbax_io.scratch_bytes("read", nbytes)
+    view, got = memoryview(buf), 0
     with open(info.file, "rb", buffering=0) as f:
         f.seek(info.start + r0 * row * dt.itemsize)
         while got < nbytes:
@@ -255,7 +248,7 @@ def _read_rows(info: TensorInfo, r0: int, r1: int) -> np.ndarray:
             if not n:
                 raise SafetensorsError(f"{info.file}: truncated while reading tensor {info.name!r}")
             got += n
-    return buf[:nbytes].view(dt).reshape((r1 - r0, *info.shape[1:]))
+    return buf.view(dt).reshape((r1 - r0, *info.shape[1:]))
 
 
 def _row_slabs(shape: tuple[int, ...], rows: int) -> list[tuple[int, int]]:
@@ -286,7 +279,7 @@ class _Sink:
     def copy(self, sub: tuple[int, ...], info: TensorInfo) -> bool:
         """Copy a whole tensor file to chunk files in the kernel when its chunks are contiguous byte
         ranges of it (tiled leaf, chunks spanning full rows, no dtype change); False if they are not."""
-        if self.buf is not None or len(info.shape) != 2 or self.files.chunks[-1] != info.shape[1]:
+        if self.buf is not None or len(info.shape) != 2 or not self.files.holds_whole_rows:
             return False
         head = (*self.lead, *sub)
         self.files.copy_rows((*head, 0, 0), info.file, info.start, info.shape[0])

@@ -89,6 +89,22 @@ def open_leaf(root: Path, path: LeafPath, shape: tuple[int, ...], dtype: np.dtyp
     return ts.open(spec, create=True, open=True, context=_CONTEXT).result()
 
 
+_SCRATCH = threading.local()
+
+
+def scratch_bytes(slot: str, nbytes: int) -> np.ndarray:
+    """This thread's reusable byte buffer `slot`, at least `nbytes` long (a view of exactly `nbytes`).
+
+    Reused rather than allocated per slab: fresh large buffers are new pages the kernel must fault in
+    and zero, which cost the converter more CPU than its reads and writes. Valid until the thread asks
+    for the same slot again."""
+    buf = getattr(_SCRATCH, slot, None)
+    if buf is None or buf.nbytes < nbytes:
+        buf = np.empty(nbytes, np.uint8)
+        setattr(_SCRATCH, slot, buf)
+    return buf[:nbytes]
+
+
 class ChunkFiles:
     """Writes a leaf's chunks as zarr v2 chunk files directly, bypassing tensorstore's write path.
 
@@ -102,12 +118,27 @@ class ChunkFiles:
     Atomicity is the converter's (temporary directory, per-unit journal, rename at the end), not per file.
     """
 
-    _scratch = threading.local()
-
     def __init__(self, root: Path, path: LeafPath, shape: tuple[int, ...], dtype: np.dtype,
                  chunks: tuple[int, ...]):
         self.dir = Path(root) / leaf_name(path)
         self.shape, self.dtype, self.chunks = tuple(shape), np.dtype(dtype), tuple(chunks)
+
+    @property
+    def holds_whole_rows(self) -> bool:
+        """Whether each chunk is whole rows of one 2-D slab, i.e. a contiguous byte range of it."""
+        return self.chunks[-1] == self.shape[-1] and all(c == 1 for c in self.chunks[:-2])
+
+    def _chunk_path(self, idx: tuple[int, ...]) -> Path:
+        return self.dir / (".".join(map(str, idx)) if idx else "0")
+
+    def _chunk_range(self, ax: int, st: int, end: int) -> range:
+        """Chunk indices covering [st, end) of axis `ax`, which must be whole chunks (the last one may
+        end at the array's edge): anything else would need a read-modify-write, so it is refused."""
+        ch, size = self.chunks[ax], self.shape[ax]
+        if st % ch or end > size or (end % ch and end != size):
+            raise ValueError(f"{self.dir.name}: rows [{st}, {end}) of axis {ax} are not whole chunks "
+                             f"of {ch} (size {size})")
+        return range(st // ch, -(-end // ch))
 
     def write(self, start: tuple[int, ...], block: np.ndarray) -> None:
         """Write `block` at `start`; the region must consist of whole chunks (the last chunk along an axis
@@ -115,13 +146,7 @@ class ChunkFiles:
         if block.ndim != len(self.shape) or len(start) != len(self.shape) or block.dtype != self.dtype:
             raise ValueError(f"{self.dir.name}: block {block.shape} {block.dtype} at {start} does not fit "
                              f"the leaf {self.shape} {self.dtype}")
-        grid = []
-        for ax, (st, n, ch, size) in enumerate(zip(start, block.shape, self.chunks, self.shape, strict=True)):
-            end = st + n
-            if st % ch or end > size or (end % ch and end != size):
-                raise ValueError(f"{self.dir.name}: rows [{st}, {end}) of axis {ax} are not whole chunks "
-                                 f"of {ch} (size {size})")
-            grid.append(range(st // ch, -(-end // ch)))
+        grid = [self._chunk_range(ax, st, st + n) for ax, (st, n) in enumerate(zip(start, block.shape))]
         for idx in itertools.product(*grid):
             piece = block[tuple(slice(i * ch - st, i * ch - st + ch)
                                 for i, ch, st in zip(idx, self.chunks, start, strict=True))]
@@ -132,20 +157,14 @@ class ChunkFiles:
         full-width rows stored contiguously in the file `src` at byte `offset`, without passing the data
         through Python: each chunk file is made by the kernel (`os.sendfile`, file to file, any
         filesystem). Needs chunks that span the full width and one index along every leading axis."""
-        ch = self.chunks[-2]
-        if (len(start) != len(self.shape) or self.chunks[-1] != self.shape[-1]
-                or any(c != 1 for c in self.chunks[:-2])):
+        if len(start) != len(self.shape) or not self.holds_whole_rows:
             raise ValueError(f"{self.dir.name}: chunks {self.chunks} do not hold whole rows; use write()")
-        end = start[-2] + nrows
-        if start[-2] % ch or end > self.shape[-2] or (end % ch and end != self.shape[-2]):
-            raise ValueError(f"{self.dir.name}: rows [{start[-2]}, {end}) are not whole chunks of {ch} "
-                             f"(size {self.shape[-2]})")
+        ch, end = self.chunks[-2], start[-2] + nrows
         row_bytes = self.shape[-1] * self.dtype.itemsize
         with open(src, "rb", buffering=0) as fin:
-            for i in range(start[-2] // ch, -(-end // ch)):
+            for i in self._chunk_range(len(self.shape) - 2, start[-2], end):
                 n = min(ch, end - i * ch)
-                name = ".".join(map(str, (*start[:-2], i, 0)))
-                with open(self.dir / name, "wb", buffering=0) as fout:
+                with open(self._chunk_path((*start[:-2], i, 0)), "wb", buffering=0) as fout:
                     _copy_bytes(fin, fout, offset + (i * ch - start[-2]) * row_bytes, n * row_bytes)
                     if n < ch:  # zarr v2 stores edge chunks whole: extend with zeros (sparse)
                         os.ftruncate(fout.fileno(), ch * row_bytes)
@@ -156,15 +175,11 @@ class ChunkFiles:
             data = piece
         else:  # a tile of wider rows, or an edge chunk: assemble it in the thread's scratch buffer
             nbytes = int(np.prod(self.chunks, dtype=np.int64)) * self.dtype.itemsize
-            buf = getattr(self._scratch, "buf", None)
-            if buf is None or buf.nbytes < nbytes:
-                buf = self._scratch.buf = np.empty(nbytes, np.uint8)
-            data = buf[:nbytes].view(self.dtype).reshape(self.chunks)
+            data = scratch_bytes("chunk", nbytes).view(self.dtype).reshape(self.chunks)
             if piece.shape != self.chunks:
                 data[...] = 0  # zarr v2 stores edge chunks whole; the padding is never read
             data[tuple(slice(0, n) for n in piece.shape)] = piece
-        name = ".".join(map(str, idx)) if idx else "0"
-        with open(self.dir / name, "wb", buffering=0) as f:
+        with open(self._chunk_path(idx), "wb", buffering=0) as f:
             view = memoryview(data.reshape(-1).view(np.uint8))
             while view:  # write() may be partial for large buffers
                 view = view[f.write(view):]
