@@ -40,8 +40,9 @@ def hf_tensor_index(src: str | Path, *, include_mtp: bool = True) -> dict[str, T
     try:
         return inspect_source(src, include_mtp=include_mtp).tensors
     except ValidationError as e:
-        n = len(e.problems)
-        raise CheckpointError(f"{src}: cannot load this HF directory, {n} problem{'s' * (n != 1)}:\n  - "
+        if len(e.problems) == 1:
+            raise CheckpointError(f"{src}: cannot load this HF directory: {e.problems[0]}") from None
+        raise CheckpointError(f"{src}: cannot load this HF directory, {len(e.problems)} problems:\n  - "
                               + "\n  - ".join(e.problems[:20])) from None
 
 
