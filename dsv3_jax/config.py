@@ -234,7 +234,7 @@ class ModelConfig:
             wbs = q.weight_block_size
             need(isinstance(wbs, tuple | list) and tuple(wbs) == (128, 128)
                  and not any(isinstance(x, bool) for x in wbs), "quantization_config.weight_block_size",
-                 f"only [128, 128] is supported, got {wbs!r}")
+                 f"only [128, 128] is supported, got {list(wbs) if isinstance(wbs, tuple) else wbs!r}")
             need(q.activation_scheme == "dynamic", "quantization_config.activation_scheme",
                  f"only 'dynamic' is supported, got {q.activation_scheme!r}")
             need(q.scale_fmt in (None, "ue8m0"), "quantization_config.scale_fmt",
