@@ -42,7 +42,8 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.workers < 1:
-        _parser().error(f"--workers must be >= 1, got {args.workers}")
+        print(f"dsv3-convert: error: --workers must be >= 1, got {args.workers}", file=sys.stderr)
+        return EXIT_INVALID
     # Imported here so `--help` is instant (this pulls in jax through dsv3_jax).
     from convert.converter import ConvertError, convert
     from convert.safetensors_io import SafetensorsError

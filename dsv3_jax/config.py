@@ -337,7 +337,11 @@ def _parse_rope(d: dict[str, Any]) -> tuple[YarnScaling | None, float | None]:
     theta = rp.get("rope_theta") if rp else None
     if not src:
         return None, theta
-    kind = src.get("rope_type", src.get("type", "default"))
+    kinds = {src[k] for k in ("rope_type", "type") if k in src}
+    if len(kinds) > 1:
+        raise ConfigError(f"config field `rope_scaling.type`: {src.get('type')!r} and rope_type "
+                          f"{src.get('rope_type')!r} disagree")
+    kind = kinds.pop() if kinds else "default"
     if kind == "default":
         return None, theta
     if kind != "yarn":
