@@ -261,3 +261,27 @@ def test_index_entries_and_side_files_outside_the_source_are_refused(source, tmp
     assert not (out / "tokenizer.json").exists() and (out / "tokenizer_config.json").is_file()
     assert "not copied" in stdout and "tokenizer.json" in stdout and str(secret) in stdout
     assert json.loads((out / COMPLETE_MARKER).read_text())["copied_files"] == ["tokenizer_config.json"]
+
+
+def test_hugging_face_hub_snapshot_symlinks_are_accepted(source, tmp_path):
+    """The hub cache stores every file of a snapshot as a symlink into the repo's blobs/: that one
+    layout of symlinks leaving the directory is accepted; the same links anywhere else are not."""
+    from convert.converter import convert
+    from convert.validate import ValidationError
+
+    repo = tmp_path / "models--org--name"
+    (repo / "blobs").mkdir(parents=True)
+    snap = repo / "snapshots" / "0123abc"
+    snap.mkdir(parents=True)
+    for i, f in enumerate(sorted(source.iterdir())):
+        blob = repo / "blobs" / f"blob{i}"
+        os.link(f, blob)
+        os.symlink(f"../../blobs/blob{i}", snap / f.name)
+    report = convert(snap, tmp_path / "out", progress=False)
+    assert report.tensors > 0 and (tmp_path / "out" / COMPLETE_MARKER).exists()
+    plain = tmp_path / "not-a-snapshot"
+    plain.mkdir()
+    for f in snap.iterdir():
+        os.symlink(os.readlink(snap / f.name).replace("../../blobs", str(repo / "blobs")), plain / f.name)
+    with pytest.raises(ValidationError, match="outside"):
+        convert(plain, tmp_path / "out2", progress=False)
