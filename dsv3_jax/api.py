@@ -20,10 +20,11 @@ import numpy as np
 
 from dsv3_jax import checkpoint, decode, sharding
 from dsv3_jax.attention import ATTENTION_FORMS
+from dsv3_jax.cli import check_mesh, compute_dtype_name
 from dsv3_jax.config import ModelConfig
 from dsv3_jax.decode import GenerationResult, sampling_settings
 from dsv3_jax.model import Transformer
-from dsv3_jax.sampling import load_generation_defaults
+from dsv3_jax.sampling import load_generation_defaults, validate_sampling_params
 from dsv3_jax.tokenizer import Tokenizer
 
 
@@ -108,6 +109,8 @@ class ModelHandle:
         single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], (int, np.integer)))
         batch = [prompts] if single else list(prompts)
         ids = [self._encode(p) for p in batch]
+        validate_sampling_params(1.0, 1.0, 0, seed=seed)  # int32, like the engine's per-request seeds
+        validate_sampling_params(1.0, 1.0, 0, seed=int(seed) + max(len(ids) - 1, 0))  # prompt i: seed + i
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         eos = [] if ignore_eos else self._eos_ids()
         settings = sampling_settings(self.generation_defaults, temperature, top_p, top_k)
@@ -184,11 +187,11 @@ def load(path: str | Path, *, mesh: Any = None, attention: str = "absorbed", dty
         raise FileNotFoundError(f"checkpoint directory not found: {path}")
     cfg = ModelConfig.from_json(path / "config.json")
     if dtype is not None:
-        cfg = cfg.replace(dtype=str(jnp.dtype(dtype)))
+        cfg = cfg.replace(dtype=compute_dtype_name(dtype))  # bf16, bfloat16, jnp.bfloat16 alike
     if n_activated_experts is not None:
         cfg = cfg.replace(num_experts_per_tok=n_activated_experts)
     if mesh is not None:
-        mesh = sharding.make_mesh(mesh)
+        mesh = sharding.make_mesh(check_mesh(mesh, "mesh") if isinstance(mesh, str) else mesh)
         sharding.validate(cfg, mesh, fp8=cfg.quantization is not None)
     _check_plan(cfg, mesh, max_seq_len, device_memory)
     shardings = None
