@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import stat
 import sys
 import time
 from pathlib import Path
@@ -101,6 +102,8 @@ def read_input_file(path: Path) -> list[Any]:
         raise FileNotFoundError(f"input file not found: {path}")
     if path.is_dir():
         raise ValueError(f"--input-file {path} is a directory, not a file")
+    if not (stat.S_ISREG(path.stat().st_mode) or stat.S_ISFIFO(path.stat().st_mode)):  # pipes: `<(cmd)`
+        raise ValueError(f"--input-file {path} is not a regular file (a device or a socket)")
     try:
         text = path.read_bytes().decode("utf-8-sig")
     except UnicodeDecodeError as e:
