@@ -79,7 +79,7 @@ class GroupedGemmConfig:
 
 
 PREFILL_CONFIG = GroupedGemmConfig(wg_m=128, wg_n=128, wg_split="n", max_concurrent_steps=4)
-DECODE_CONFIG = GroupedGemmConfig(wg_m=64, wg_n=128, wg_split="n", max_concurrent_steps=5)
+DECODE_CONFIG = GroupedGemmConfig(wg_m=64, wg_n=128, wg_split="n", max_concurrent_steps=4)
 
 
 def default_config(num_rows: int, num_groups: int) -> GroupedGemmConfig:
