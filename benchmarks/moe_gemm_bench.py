@@ -317,22 +317,28 @@ def smoke(results) -> bool:
 
 
 def bf16_main(results, save_fn, torch_peer: bool) -> None:
-    """Issue 15's BF16 regimes: variants where the tiling choice matters, the default elsewhere."""
+    """Issue 15's BF16 regimes, most telling first (a run cut short still has them): tiling variants
+    where the choice matters, the default elsewhere."""
     prefill_variants = [BF16_PREFILL, GroupedGemmConfig(128, 128, "n", 4, chain=False),
                         GroupedGemmConfig(128, 128, "m", 4)]
     decode_variants = [BF16_DECODE, GroupedGemmConfig(64, 128, "n", 5, chain=False)]
+    best = {}
     for shape, (k, n) in SHAPES.items():
-        best = bf16_case(f"bf16 prefill {shape} M=65536 uniform", 65536, k, n, "uniform", prefill_variants,
-                         results, torch_peer)
+        cfgs = prefill_variants if not best else sorted({BF16_PREFILL, *best.values()}, key=str)
+        won = bf16_case(f"bf16 prefill {shape} M=65536 uniform", 65536, k, n, "uniform", cfgs, results,
+                        torch_peer)
+        if won:
+            best[shape] = won[1]
         save_fn()
-        cfgs = [BF16_PREFILL] + ([best[1]] if best and best[1] != BF16_PREFILL else [])
-        bf16_case(f"bf16 prefill {shape} M=65536 zipf", 65536, k, n, "skewed", cfgs, results, torch_peer)
-        save_fn()
-        for m in (512, 256, 1024, 64):
-            bf16_case(f"bf16 decode {shape} M={m}", m, k, n, "uniform" if m >= E else "skewed",
-                      decode_variants if m == 512
-                      else [BF16_DECODE], results, torch_peer)
+    for m, cfgs in ((512, decode_variants), (256, [BF16_DECODE]), (1024, [BF16_DECODE])):
+        for shape, (k, n) in SHAPES.items():
+            bf16_case(f"bf16 decode {shape} M={m}", m, k, n, "uniform", cfgs, results, torch_peer)
             save_fn()
+    for shape, (k, n) in SHAPES.items():
+        bf16_case(f"bf16 prefill {shape} M=65536 zipf", 65536, k, n, "skewed", [BF16_PREFILL], results,
+                  torch_peer)
+        bf16_case(f"bf16 decode {shape} M=64 zipf", 64, k, n, "skewed", [BF16_DECODE], results, torch_peer)
+        save_fn()
 
 
 def main() -> None:
