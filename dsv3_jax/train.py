@@ -137,6 +137,15 @@ def is_heldout(path: Path, every: int) -> bool:
     return zlib.crc32(str(Path(path.parent.name) / path.name).encode()) % every == 0
 
 
+def tokenize_files(tokenizer: Any, files: Sequence[Path]) -> list[np.ndarray]:
+    """Each file as [BOS] + its tokens + [EOS] (uint32), the corpus' unit."""
+    texts = [Path(f).read_text(encoding="utf-8", errors="replace") for f in files]
+    encs = tokenizer.backend.encode_batch(texts, add_special_tokens=False)
+    bos, eos = tokenizer.bos_id, tokenizer.eos_id
+    return [np.asarray([*([bos] if bos is not None else []), *e.ids, *([eos] if eos is not None else [])],
+                       np.uint32) for e in encs]
+
+
 def build_corpus(tokenizer: Any, files: Sequence[Path] | None = None, heldout_every: int = 40) -> Corpus:
     """Tokenize `files` (default: `stdlib_files()`) with `tokenizer` (a dsv3_jax Tokenizer)."""
     files = list(files if files is not None else stdlib_files())
@@ -144,13 +153,9 @@ def build_corpus(tokenizer: Any, files: Sequence[Path] | None = None, heldout_ev
         raise ValueError("build_corpus: no files to tokenize")
     if heldout_every < 2:
         raise ValueError(f"heldout_every must be >= 2, got {heldout_every}")
-    texts = [f.read_text(encoding="utf-8", errors="replace") for f in files]
-    encs = tokenizer.backend.encode_batch(texts, add_special_tokens=False)
-    bos, eos = tokenizer.bos_id, tokenizer.eos_id
     parts: dict[bool, list[np.ndarray]] = {True: [], False: []}
-    for f, e in zip(files, encs, strict=True):
-        ids = [*([bos] if bos is not None else []), *e.ids, *([eos] if eos is not None else [])]
-        parts[is_heldout(f, heldout_every)].append(np.asarray(ids, np.uint32))
+    for f, ids in zip(files, tokenize_files(tokenizer, files), strict=True):
+        parts[is_heldout(f, heldout_every)].append(ids)
     if not parts[True] or not parts[False]:
         raise ValueError(f"build_corpus: the split of {len(files)} files left one side empty; "
                          "pass more files or a smaller heldout_every")
