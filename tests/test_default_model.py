@@ -21,8 +21,8 @@ from dsv3_jax.tokenizer import Tokenizer
 
 # Measured 2026-12-03 on these windows (CPU, fp32 compute): perplexity 13.56, FP8 +0.69%. The whole
 # held-out split scores 9.5 (benchmarks/RESULTS.md); 128-512-token regions of it range from ~8 to ~30
-# (license headers and ASCII diagrams are hard), hence the margin. A unigram model of the train split
-# (add-one) scores 1,137 on the held-out split, random weights ~10^5.
+# (long comments and ASCII diagrams are hard), hence the margin. A unigram model of the train split
+# (add-one) scores 1,137 on the held-out split.
 PPL_BOUND = 25.0
 FP8_MARGIN = 0.02  # FP8 (e4m3, UE8M0 128x128 block scales) perplexity within 2% of BF16's
 WINDOWS, WINDOW_LEN = 4, 128
