@@ -454,6 +454,9 @@ def loader_cases(w: dict, tmp: Path) -> list[Case]:
     d = copy()
     (d / "config.json").unlink()
     load_case("config.json missing", d, ["config.json"])
+    d = copy()
+    edit_json(d / "config.json", intermediate_size=96)
+    load_case("config.json edited after conversion", d, ["do not match config.json", "down_proj"])
     for label, gen, names in [("temperature 'hot'", {"temperature": "hot"}, ["`temperature`", "'hot'"]),
                               ("top_k 2**40", {"top_k": 2**40}, ["`top_k`"]),
                               ("top_p 0", {"top_p": 0}, ["`top_p`"]),
@@ -547,6 +550,7 @@ def cli_cases(w: dict, tmp: Path) -> list[Case]:
         (["--input-file", str(inp / "str_messages.jsonl")], ["'messages'"]),
         (["--input-file", str(inp / "no_key.jsonl")], ["'prompt' or 'messages'"]),
         (["--input-file", str(inp / "bad.jsonl")], ["bad.jsonl:1", "invalid JSON"]),
+        (["--input-file", "/dev/zero"], ["/dev/zero", "not a regular file"]),
         (["--ckpt", str(w["src"] / "config.json"), "--prompt", "x"], ["not a directory"]),
         (["--ckpt", str(tmp / "nope"), "--prompt", "x"], ["not found"]),
         (["--ckpt", ck, "--input-file", str(inp / "role.jsonl"), "--max-new-tokens", "1"], ["'developer'"]),
@@ -645,6 +649,9 @@ def api_cases(w: dict, tmp: Path) -> list[Case]:
     cases.append(Case("api", "ModelConfig(hidden_size=True)", "refuse", ["hidden_size"],
                       call=lambda: ModelConfig(hidden_size=True)))
     cases.append(Case("api", "tokenizer.encode(5)", "refuse", ["str"], call=lambda: tok.encode(5)))
+    cases.append(Case("api", "ModelConfig.replace(num_experts_per_tok=np.int64(2))", "work", [],
+                      call=lambda: CFG.replace(num_experts_per_tok=np.int64(2)),
+                      check=lambda: type(CFG.replace(num_experts_per_tok=np.int64(2)).num_experts_per_tok) is int))
 
     # Through a loaded handle: the whole stack (engine included).
     import dsv3_jax
@@ -669,6 +676,10 @@ def api_cases(w: dict, tmp: Path) -> list[Case]:
                       call=lambda: handle().chat([{"role": "developer", "content": "x"}])))
     cases.append(Case("api", "dsv3_jax.load dtype='bf16'", "work", [],
                       call=lambda: dsv3_jax.load(w["ckpt"], dtype="bf16")))
+    cases.append(Case("api", "dsv3_jax.load dtype=jnp.float32", "work", [],
+                      call=lambda: dsv3_jax.load(w["ckpt"], dtype=np.float32)))
+    cases.append(Case("api", "dsv3_jax.load dtype='fp8'", "refuse", ["fp8", "conversion"],
+                      call=lambda: dsv3_jax.load(w["ckpt"], dtype="fp8")))
     cases.append(Case("api", "dsv3_jax.load mesh=''", "refuse", ["mesh"],
                       call=lambda: dsv3_jax.load(w["ckpt"], mesh="")))
     return cases
