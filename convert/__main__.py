@@ -60,8 +60,10 @@ def main(argv: list[str] | None = None) -> int:
         report_error("dsv3-convert", e)
         return EXIT_INVALID
     except (SafetensorsError, OSError) as e:
-        print(f"dsv3-convert: error during conversion: {e}\nThe partial work is kept; rerun with --resume "
-              "to continue.", file=sys.stderr)
+        os_error = isinstance(e, OSError) and e.filename and e.strerror
+        msg = f"{e.filename}: {e.strerror}" if os_error else str(e)
+        print(f"dsv3-convert: error during conversion: {msg}; the partial work is kept: rerun with --resume "
+              "to continue", file=sys.stderr)
         return EXIT_FAILED
     except KeyboardInterrupt:
         print("dsv3-convert: interrupted; rerun with --resume to continue.", file=sys.stderr)
