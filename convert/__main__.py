@@ -1,8 +1,9 @@
 """`python -m convert SRC DST` / `dsv3-convert`: the converter's command line.
 
-Owns: argument parsing, turning every expected failure (invalid source, existing destination, stale
-partial run, I/O errors) into a one-paragraph message on stderr with a non-zero exit code, and printing
-the closing summary. The work itself is `convert.converter.convert`.
+Owns: argument parsing (`--dtype` spellings through dsv3_jax.cli), turning every expected failure
+(invalid source, refused destination, a conversion already running, stale partial run, I/O errors)
+into one line on stderr (a list when validation finds several problems) with a non-zero exit code,
+and printing the closing summary. The work itself is `convert.converter.convert`.
 """
 
 from __future__ import annotations
