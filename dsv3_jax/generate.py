@@ -66,7 +66,7 @@ def _load(args: argparse.Namespace):
 def _check_flags(args: argparse.Namespace) -> None:
     """Every flag checked before anything is loaded; normalizes --dtype and --mesh in place."""
     from dsv3_jax import sharding
-    from dsv3_jax.cli import NUMPY_NAMES, check_mesh, parse_dtype
+    from dsv3_jax.cli import check_mesh, compute_dtype_name
     from dsv3_jax.sampling import validate_sampling_params
 
     if args.max_new_tokens < 1:
@@ -77,10 +77,7 @@ def _check_flags(args: argparse.Namespace) -> None:
     if not 0 <= args.mtp <= 3:
         raise ValueError(f"--mtp must be in 0..3, got {args.mtp}")
     if args.dtype is not None:
-        canon = parse_dtype(args.dtype, ("bf16", "fp16", "fp32"),
-                            why="FP8 is a weight format chosen at conversion (python -m convert --dtype "
-                                "fp8); an FP8 checkpoint stays FP8 whatever the compute dtype")
-        args.dtype = NUMPY_NAMES[canon]
+        args.dtype = compute_dtype_name(args.dtype, "--dtype")
     if args.mesh is not None:
         args.mesh = check_mesh(args.mesh)
         sharding.parse_mesh_spec(args.mesh)  # names the bad axis or size now, not after loading
