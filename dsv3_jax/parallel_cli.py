@@ -122,3 +122,15 @@ def engine_defaults(handle: Any, args: argparse.Namespace, *, spec_k: int = 0) -
         distributed.main_print("[dsv3_jax] plan:\n" + p.summary(), file=sys.stderr)
         out["num_pages"] = p.num_pages
     return out
+
+
+def size_server_pool(handle: Any, args: argparse.Namespace, default_num_pages: int, *,
+                     spec_k: int = 0) -> None:
+    """The server's hook: with a plan (a device memory known), print it and, unless --num-pages was
+    given, size the pool from it (args.num_pages)."""
+    p = engine_plan(handle, args, spec_k=spec_k)
+    if p is None:
+        return
+    distributed.main_print("[dsv3_jax.serve] plan:\n" + p.summary(), file=sys.stderr)
+    if args.num_pages == default_num_pages:
+        args.num_pages = p.num_pages
