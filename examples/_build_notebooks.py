@@ -46,12 +46,15 @@ def code(s: str) -> tuple[str, str]:
 # ------------------------------------------------------------------------------------ 01 quickstart
 QUICKSTART = _cells(
     md("""
-    # 01 · Quickstart: convert, load, chat, stream
+    # 01 · Quickstart: the default model, then convert, load, chat, stream
 
-    This notebook builds a **tiny DeepSeek-V3-shaped checkpoint** (random weights, the real DeepSeek-V3.1
-    tokenizer), converts it with the project's converter exactly as you would convert the real
-    Hugging Face checkpoint, loads it, chats with thinking off and on, and streams tokens into the cell.
-    The text is gibberish (the weights are random); every mechanism is the real one.
+    First the **embedded default model**: `dsv3_jax.load()` with no path returns a small DeepSeek-V3
+    (MLA at the real widths, MoE with grouped sigmoid routing, a shared expert, the MTP layer, YaRN)
+    trained for 5 minutes on the Python standard library, so it writes Python-looking code.
+    Then the notebook builds a **tiny DeepSeek-V3-shaped checkpoint** (random weights, the real
+    DeepSeek-V3.1 tokenizer), converts it with the project's converter exactly as you would convert the
+    real Hugging Face checkpoint, loads it, chats with thinking off and on, and streams tokens into the
+    cell. That model's text is gibberish (its weights are random); every mechanism is the real one.
 
     With the real model the only change is the path (and a mesh, see `03_meshes_and_memory.ipynb`):
     `python -m convert /hf/DeepSeek-V3.1 /ckpt/v3.1` once, then
@@ -62,6 +65,18 @@ import jax
 import dsv3_jax
 
 print("jax", jax.__version__, "devices:", jax.devices())
+"""),
+    md("""
+    ## 0. The embedded default model
+
+    `dsv3_jax.load()` (no path) expands the compact weights shipped in `dsv3_jax/default_model/` (see its
+    README) into an ordinary DeepSeek-V3 parameter tree. `temperature=0` is greedy.
+    """),
+    code("""
+default = dsv3_jax.load()
+r = default.generate("import os", max_new_tokens=32, temperature=0)
+print("import os" + r.text)
+default_text = r.text
 """),
     md("""
     ## 1. A tiny Hugging Face checkpoint, then the converter
@@ -140,7 +155,8 @@ logits = h.forward([ids])
 top1 = h.tokenizer.decode([int(logits[0, -1].argmax())])
 print("tokens", ids, "-> logits", logits.shape, "top-1 next token:", repr(top1))
 
-results = {"chat_thinking_off": replies[False].text, "chat_thinking_on": replies[True].text,
+results = {"default_model_text": default_text,
+           "chat_thinking_off": replies[False].text, "chat_thinking_on": replies[True].text,
            "stream": streamed, "n_pieces": len(pieces), "logits_shape": list(logits.shape),
            "repr_html": h._repr_html_()}
 (OUT / "01_quickstart.json").write_text(json.dumps(results, indent=1))

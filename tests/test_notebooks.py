@@ -104,6 +104,9 @@ def test_01_quickstart(env):
         assert isinstance(res[key], str) and res[key].strip(), f"{key}: no text generated"
     assert res["n_pieces"] >= 2  # streamed in pieces, not one blob
     assert res["logits_shape"] == [1, 3, 129280]
+    # The embedded default model (trained on the standard library) continues "import os" with Python.
+    code = res["default_model_text"]
+    assert "import" in code and "\n" in code, code
     text = "\n".join(outputs(nb))
     assert "dsv3-convert summary" in text  # the converter ran
     assert "thinking=True: prompt ends with" in text and "<think>" in text
