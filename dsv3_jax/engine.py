@@ -213,7 +213,8 @@ class Engine:
             raise ValueError(f"request needs {need} pages of {self.cfg.page_size} tokens but the pool has "
                              f"{self.pool.num_pages - 1}: it could never run")
         r = Request(next(self.sched.ids), prompt, max_new_tokens, float(temperature), float(top_p),
-                    int(top_k), int(seed), frozenset(int(e) for e in eos), logprobs=logprobs, arrival=self.clock())
+                    int(top_k), int(seed), frozenset(int(e) for e in eos), logprobs=logprobs,
+                    arrival=self.clock())
         self.waiting.append(r)
         return r.rid
 

@@ -120,10 +120,11 @@ def mla_attention(q_latent: jax.Array, q_rope: jax.Array, kv_pages: jax.Array, b
     (512 + 64), its page size (`mla_decode.PAGE_SIZE`, = cache.PAGE_SIZE) and bf16; other shapes
     use the reference (logged once). A ragged token batch calls this with one token per row (T = 1).
     """
-    from pallas_kernels import mla_decode, mla_reference
+    from pallas_kernels import mla_reference
+    from pallas_kernels.mla_decode import PAGE_SIZE as KERNEL_PAGE
 
     fits = (q_latent.shape[-1] == mla_reference.LATENT_DIM and q_rope.shape[-1] == mla_reference.ROPE_DIM
-            and kv_pages.shape[1] == mla_decode.PAGE_SIZE and kv_pages.dtype == jnp.bfloat16)
+            and kv_pages.shape[1] == KERNEL_PAGE and kv_pages.dtype == jnp.bfloat16)
     if backend() == "pallas":
         if fits:
             from pallas_kernels.mla_prefill import mla_prefill
