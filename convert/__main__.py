@@ -23,9 +23,9 @@ def _parser() -> argparse.ArgumentParser:
                     "(Orbax params + config + tokenizer files + manifest).")
     p.add_argument("src", type=Path, help="HF directory (model.safetensors.index.json + shards, config.json)")
     p.add_argument("dst", type=Path, help="destination directory (must not exist unless --force)")
-    p.add_argument("--dtype", choices=("auto", "bf16", "fp8"), default="auto",
-                   help="auto: keep the source's format (FP8 stays e4m3 + scales); bf16: dequantize/cast; "
-                        "fp8: quantize a BF16 source into 128x128 blocks")
+    p.add_argument("--dtype", default="auto",
+                   help="auto: keep the source's format (FP8 stays e4m3 + scales); bf16 (bfloat16): "
+                        "dequantize/cast; fp8 (float8_e4m3fn): quantize a BF16 source into 128x128 blocks")
     p.add_argument("--ue8m0", action="store_true",
                    help="with --dtype fp8 on a BF16 source: power-of-two (UE8M0) block scales")
     p.add_argument("--no-mtp", action="store_true", help="leave out the MTP (next-token draft) layer")
@@ -47,13 +47,16 @@ def main(argv: list[str] | None = None) -> int:
     from convert.converter import ConvertError, convert
     from convert.safetensors_io import SafetensorsError
     from convert.validate import ValidationError
+    from dsv3_jax.cli import UsageError, parse_dtype, report_error
     from dsv3_jax.config import ConfigError
+    from dsv3_jax.paths import PathContainmentError
 
     try:
-        report = convert(args.src, args.dst, dtype=args.dtype, ue8m0=args.ue8m0, include_mtp=not args.no_mtp,
+        dtype = parse_dtype(args.dtype, ("auto", "bf16", "fp8"))
+        report = convert(args.src, args.dst, dtype=dtype, ue8m0=args.ue8m0, include_mtp=not args.no_mtp,
                          workers=args.workers, force=args.force, resume=args.resume, progress=not args.quiet)
-    except (ValidationError, ConvertError, ConfigError) as e:
-        print(f"dsv3-convert: error: {e}", file=sys.stderr)
+    except (ValidationError, ConvertError, ConfigError, UsageError, PathContainmentError) as e:
+        report_error("dsv3-convert", e)
         return EXIT_INVALID
     except (SafetensorsError, OSError) as e:
         print(f"dsv3-convert: error during conversion: {e}\nThe partial work is kept; rerun with --resume "
@@ -64,7 +67,12 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_FAILED
     print(report.table())
     if args.report_json:
-        args.report_json.write_text(json.dumps(report.__dict__ | {"gb_per_s": report.gb_per_s}, indent=1))
+        try:
+            args.report_json.write_text(json.dumps(report.__dict__ | {"gb_per_s": report.gb_per_s}, indent=1))
+        except OSError as e:
+            print(f"dsv3-convert: the checkpoint is complete, but --report-json could not be written: "
+                  f"{e.filename}: {e.strerror}", file=sys.stderr)
+            return EXIT_FAILED
     return 0
 
 

@@ -3,8 +3,11 @@
 Owns: planning the conversion (which tree leaf each HF tensor fills, in which dtype: copy, cast, FP8
 quantize or dequantize), running it in resumable units (one unit = one leaf's slab for one layer, or an
 unstacked leaf), streaming each tensor in row slabs so memory is bounded by a few slabs per worker, the
-temporary sibling directory with its plan and journal, the final rename, the manifest (written last:
-its presence is what makes a directory loadable) and the run's report. Validation lives in
+temporary sibling directory with its plan and journal, the lock that keeps a second converter off the
+same destination, what `--force` may replace (only a checkpoint this converter wrote, never the
+source or a directory holding it), the final rename, the manifest (written last: its presence is what
+makes a directory loadable) and the run's report. A run killed at any instant is completed by
+`resume` to the same bytes. Validation lives in
 validate.py, the array store in orbax_io.py, FP8 arithmetic in fp8_blocks.py.
 """
 
@@ -13,6 +16,8 @@ from __future__ import annotations
 import concurrent.futures as cf
 import copy
 import dataclasses
+import errno
+import fcntl
 import json
 import os
 import re
@@ -34,6 +39,7 @@ from convert.safetensors_io import DTYPES, SafetensorsError, TensorInfo, read_te
 from convert.validate import Source, inspect_source
 from dsv3_jax.checkpoint import COMPLETE_MARKER
 from dsv3_jax.config import ModelConfig
+from dsv3_jax.paths import PathContainmentError, regular_file_inside
 
 CONVERTER_VERSION = "1.0"
 MANIFEST_FORMAT = "dsv3-jax-converted/1"
@@ -41,7 +47,10 @@ PLAN = "convert_plan.json"
 JOURNAL = "convert_progress.jsonl"
 OUT_DTYPES = ("auto", "bf16", "fp8")
 EXTRA_FILES = ("generation_config.json", "tokenizer*", "special_tokens_map.json", "chat_template*")
-# Test hook: seconds to sleep after each unit, so a test can SIGKILL a conversion half-way.
+# Test hook (tests only, never set in use): seconds to sleep after each unit, and ten times that at
+# each step of starting and finishing (before the plan is written, after it, after the metadata,
+# half-way through the closing fsync, after the manifest, before the rename), so a test that SIGKILLs
+# the converter at random moments lands in every phase of a small conversion.
 TEST_DELAY_ENV = "DSV3_CONVERT_TEST_UNIT_DELAY"
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F32 = np.dtype(np.float32)
@@ -351,14 +360,36 @@ def _temp_dir(dst: Path) -> Path:
     return dst.parent / f".{dst.name}.converting"
 
 
+def _staging_dir(dst: Path) -> Path:
+    """Where the temporary directory is prepared (plan written) before it is renamed into place, so
+    `_temp_dir` never exists without its plan."""
+    return dst.parent / f".{dst.name}.converting.new"
+
+
+def _pause() -> None:
+    """The test hook's pause at a phase boundary (see TEST_DELAY_ENV); nothing when unset."""
+    delay = float(os.environ.get(TEST_DELAY_ENV, "0") or 0)
+    if delay:
+        time.sleep(10 * delay)
+
+
 def _write_json(path: Path, obj: Any) -> None:
-    """Write atomically and durably (tmp + fsync + rename)."""
+    """Write atomically and durably (tmp + fsync + rename + directory fsync)."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w") as f:
         json.dump(obj, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(d: Path) -> None:
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _journal_done(tmp: Path) -> set[str]:
@@ -377,6 +408,159 @@ def _group_odd_scales(names: list[str]) -> str:
     return ", ".join(f"{k} ({v})" for k, v in sorted(kinds.items()))
 
 
+# ------------------------------------------------------------------------ what may be touched, the lock
+def _manifest(d: Path) -> dict[str, Any] | None:
+    """The manifest of a checkpoint this converter wrote (complete), else None."""
+    try:
+        m = json.loads((d / COMPLETE_MARKER).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return m if isinstance(m, dict) and m.get("format") == MANIFEST_FORMAT else None
+
+
+def _is_ours(d: Path) -> bool:
+    """Whether `d` is a (complete or interrupted) conversion this converter wrote."""
+    return d.is_dir() and not d.is_symlink() and (_manifest(d) is not None or (d / PLAN).is_file())
+
+
+def _inside(a: Path, b: Path) -> bool:
+    """Whether `a` is `b` or lies under it (resolved paths)."""
+    return a == b or b in a.parents
+
+
+def _check_destination(src: Path, dst: Path, force: bool) -> None:
+    """Refuse a destination that would destroy anything but a checkpoint this converter wrote."""
+    rs, rd = src.resolve(), dst.resolve()
+    if rd == rs:
+        raise ConvertError(f"destination {dst} is the source directory")
+    tmp = _temp_dir(dst).resolve()
+    if _inside(rs, tmp) or _inside(rs, _staging_dir(dst).resolve()):
+        raise ConvertError(f"the source {src} lies inside the converter's working directory {tmp}")
+    if not (dst.exists() or dst.is_symlink()):
+        return
+    if not force:
+        raise ConvertError(f"destination {dst} already exists; pass --force to replace it")
+    if _inside(rs, rd) or _inside(Path(os.path.abspath(src)), Path(os.path.abspath(dst))):
+        raise ConvertError(f"--force refused: destination {dst} contains the source {src}; replacing it "
+                           "would delete the source")
+    if dst.is_symlink():
+        raise ConvertError(f"--force refused: destination {dst} is a symbolic link; give the real path")
+    if _manifest(dst) is None:
+        raise ConvertError(f"--force refused: {dst} is not a checkpoint this converter wrote (no valid "
+                           f"{COMPLETE_MARKER}); --force replaces only those. Remove it yourself if you "
+                           "mean to")
+
+
+def _remove_ours(d: Path) -> None:
+    """Delete a directory this converter wrote, its manifest and plan last: a deletion cut short leaves
+    a directory still recognisable as ours (and not loadable once the manifest is gone)."""
+    keep = {COMPLETE_MARKER, PLAN}
+    for root, dirs, files in os.walk(d, topdown=False):
+        for name in files:
+            if not (root == str(d) and name in keep):
+                os.unlink(os.path.join(root, name))
+        for name in dirs:
+            p = os.path.join(root, name)
+            os.unlink(p) if os.path.islink(p) else os.rmdir(p)
+    (d / COMPLETE_MARKER).unlink(missing_ok=True)
+    (d / PLAN).unlink(missing_ok=True)
+    os.rmdir(d)
+
+
+class _DestinationLock:
+    """An exclusive lock on `DST` held for the whole run (flock on a sibling lock file).
+
+    The kernel drops a flock when its holder dies, so a lock file left by a killed run is free and the
+    next run takes it: no stale-lock guessing. The file is removed on release; a process that opened
+    the old file before that notices (its inode is no longer the path's) and retries.
+    """
+
+    def __init__(self, dst: Path):
+        self.dst, self.path = dst, dst.parent / f".{dst.name}.lock"
+        self.fd: int | None = None
+
+    def refuse_if_held(self) -> None:
+        """Raise ConvertError if another process holds the lock now (a check before taking it)."""
+        try:
+            fd = os.open(self.path, os.O_RDWR)
+        except OSError:
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise self._held() from None
+            raise
+        finally:
+            os.close(fd)  # closing drops our probe's lock
+
+    def _held(self) -> ConvertError:
+        try:
+            holder = f" (pid {int(self.path.read_text() or '0')})"
+        except (OSError, ValueError):
+            holder = ""
+        return ConvertError(f"another conversion into {self.dst} is running{holder}; wait for it to finish "
+                            "(or stop it and pass --resume)")
+
+    def __enter__(self) -> _DestinationLock:
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                os.close(fd)
+                if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    raise
+                raise self._held() from None
+            try:
+                same = os.path.samestat(os.fstat(fd), os.stat(self.path))
+            except FileNotFoundError:
+                same = False
+            if same:
+                os.ftruncate(fd, 0)
+                os.write(fd, str(os.getpid()).encode())
+                self.fd = fd
+                return self
+            os.close(fd)  # released and removed by its holder meanwhile: lock the new file
+
+    def __exit__(self, *exc: object) -> None:
+        if self.fd is not None:
+            self.path.unlink(missing_ok=True)
+            os.close(self.fd)
+            self.fd = None
+
+
+def _clear_stale_staging(dst: Path) -> None:
+    """A staging directory left by a run killed while starting holds at most the plan: remove it."""
+    stage = _staging_dir(dst)
+    if not stage.exists():
+        return
+    names = {p.relative_to(stage).as_posix() for p in stage.rglob("*")}
+    if stage.is_symlink() or not names <= {PLAN, PLAN + ".tmp", orbax_io.PARAMS_DIR}:
+        raise ConvertError(f"{stage} exists and is not a conversion this converter started; remove it "
+                           "yourself")
+    shutil.rmtree(stage)
+
+
+def _start_temp(tmp: Path, dst: Path, plan_doc: dict[str, Any]) -> None:
+    """Create the temporary directory with its plan: prepared under another name, then renamed, so
+    the directory a later `--resume` finds always has its plan."""
+    stage = _staging_dir(dst)
+    stage.mkdir()
+    _pause()
+    _write_json(stage / PLAN, plan_doc)
+    (stage / orbax_io.PARAMS_DIR).mkdir()
+    _pause()
+    os.rename(stage, tmp)
+    _fsync_dir(tmp.parent)
+
+
+def _same_run(m: dict[str, Any], plan_doc: dict[str, Any]) -> bool:
+    """Whether a manifest records a conversion of the same source with the same options and leaves."""
+    return (m.get("source", {}).get("files") == plan_doc["source"] and m.get("options") == plan_doc["options"]
+            and m.get("leaves") == plan_doc["leaves"])
+
+
 def convert(src: str | Path, dst: str | Path, *, dtype: str = "auto", ue8m0: bool = False,
             include_mtp: bool = True, workers: int = 4, force: bool = False, resume: bool = False,
             progress: bool = True, policy: ChunkPolicy | None = None) -> ConvertReport:
@@ -385,22 +569,24 @@ def convert(src: str | Path, dst: str | Path, *, dtype: str = "auto", ue8m0: boo
     dtype: "auto" keeps what the source has (FP8 stays e4m3 + scales), "bf16" dequantizes/casts to
     bfloat16, "fp8" quantizes a high-precision source into 128x128 blocks (`ue8m0`: power-of-two
     scales). The whole source is validated before anything is written (`ValidationError`). Work goes to
-    a hidden sibling of `dst` renamed into place at the end; `resume` continues an interrupted run;
-    `force` replaces an existing `dst` (only once the new one is complete).
+    a hidden sibling of `dst` renamed into place at the end; `resume` continues an interrupted run
+    (killed at any moment: the result is byte-identical to an uninterrupted run; a run that already
+    finished is reported as such); `force` replaces an existing `dst` only if it is a checkpoint this
+    converter wrote (its manifest), never the source or a directory containing it, and only once the
+    new one is complete. A second conversion into the same `dst` is refused while one runs.
     """
     t0 = time.perf_counter()
     _large_allocations_via_mmap()
     baseline = psutil.Process().memory_info().rss
     policy = policy or ChunkPolicy()
     if dtype not in OUT_DTYPES:
-        raise ValueError(f"dtype must be one of {OUT_DTYPES}, got {dtype!r}")
-    if not isinstance(workers, int) or workers < 1:
-        raise ValueError(f"workers must be a positive integer, got {workers!r}")
+        raise ConvertError(f"dtype must be one of {OUT_DTYPES}, got {dtype!r}")
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ConvertError(f"workers must be a positive integer, got {workers!r}")
     src, dst = Path(src), Path(dst)
-    if dst.exists() and dst.resolve() == src.resolve():
-        raise ConvertError(f"destination {dst} is the source directory")
-    if dst.exists() and not force:
-        raise ConvertError(f"destination {dst} already exists; pass --force to replace it")
+    _DestinationLock(dst).refuse_if_held()
+    if not (resume and _manifest(dst) is not None):  # resume may find its own finished checkpoint there
+        _check_destination(src, dst, force)
     tmp = _temp_dir(dst)
     if tmp.exists() and not (resume or force):
         raise ConvertError(f"{tmp} holds an interrupted conversion: pass --resume to continue it "
@@ -424,21 +610,55 @@ def convert(src: str | Path, dst: str | Path, *, dtype: str = "auto", ue8m0: boo
                 "leaves": {orbax_io.leaf_name(x.path): [list(x.shape), orbax_io.DTYPE_NAMES[x.dtype],
                                                         list(x.chunks)] for x in all_leaves}}
 
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    with _DestinationLock(dst):
+        # Decided again under the lock: another run may have finished or started meanwhile.
+        finished = _manifest(dst) if resume and not tmp.exists() else None
+        if finished is not None and _same_run(finished, plan_doc):
+            report = _load_report(dst, t0, baseline)
+            report.notes.append("the conversion had already finished; nothing to do")
+            _clean_replaced(dst)
+            return _finish_report(report, dst, t0)
+        if resume and not force and dst.exists():
+            raise ConvertError(f"destination {dst} already exists (a different conversion); pass --force "
+                               "to replace it")
+        _check_destination(src, dst, force)
+        _clear_stale_staging(dst)
+        return _run(source, dst, tmp, plan_doc, leaves, all_leaves, config, out_name, notes,
+                    workers=workers, force=force, resume=resume, progress=progress, policy=policy,
+                    ue8m0=ue8m0, t0=t0, baseline=baseline)
+
+
+def _run(source: Source, dst: Path, tmp: Path, plan_doc: dict[str, Any], leaves: list[LeafPlan],
+         all_leaves: list[LeafPlan], config: dict[str, Any], out_name: str, notes: list[str], *, workers: int,
+         force: bool, resume: bool, progress: bool, policy: ChunkPolicy, ue8m0: bool, t0: float,
+         baseline: int) -> ConvertReport:
+    """The conversion proper, under the destination lock."""
     done: set[str] = set()
-    if tmp.exists() and resume:
-        if (tmp / COMPLETE_MARKER).exists():  # killed between the manifest and the rename
-            return _finish_rename(tmp, dst, force, _load_report(tmp, t0, baseline))
-        old = json.loads((tmp / PLAN).read_text()) if (tmp / PLAN).exists() else None
-        if old != plan_doc:
-            raise ConvertError(f"{tmp} was started with a different source or options; rerun those, or "
-                               "pass --force to start over")
-        done = _journal_done(tmp)
-    elif tmp.exists():
-        shutil.rmtree(tmp)
-    params = tmp / orbax_io.PARAMS_DIR
+    if tmp.exists() or tmp.is_symlink():
+        if not _is_ours(tmp):
+            raise ConvertError(f"{tmp} exists and is not a conversion this converter started; remove it "
+                               "yourself")
+        m = _manifest(tmp)
+        if resume and m is not None:  # killed between the manifest and the rename
+            if not _same_run(m, plan_doc):
+                raise ConvertError(f"{tmp} holds a finished conversion of a different source or options; "
+                                   "pass --force to start over")
+            return _finish_rename(tmp, dst, force, _load_report(tmp, t0, baseline), t0)
+        if resume:
+            try:
+                old = json.loads((tmp / PLAN).read_text())
+            except (OSError, json.JSONDecodeError):
+                old = None
+            if old != plan_doc:
+                raise ConvertError(f"{tmp} was started with a different source or options; rerun those, "
+                                   "or pass --force to start over")
+            done = _journal_done(tmp)
+        else:
+            _remove_ours(tmp)  # --force: start over
     if not tmp.exists():
-        params.mkdir(parents=True)
-        _write_json(tmp / PLAN, plan_doc)
+        _start_temp(tmp, dst, plan_doc)
+    params = tmp / orbax_io.PARAMS_DIR
     for x in all_leaves:  # tensorstore writes each array's metadata; the chunks are ours (ChunkFiles)
         orbax_io.open_leaf(params, x.path, x.shape, x.dtype, x.chunks)
     stores = {x.path: orbax_io.ChunkFiles(params, x.path, x.shape, x.dtype, x.chunks) for x in all_leaves}
@@ -464,7 +684,11 @@ def convert(src: str | Path, dst: str | Path, *, dtype: str = "auto", ue8m0: boo
                unit="B", unit_scale=True, desc="converting", disable=not progress, file=sys.stderr,
                dynamic_ncols=True)
     bar.set_postfix_str(f"tensors {tensors_done}/{n_tensors}")
-    with open(tmp / JOURNAL, "a") as journal, cf.ThreadPoolExecutor(workers) as pool:
+    jpath = tmp / JOURNAL
+    if jpath.exists() and jpath.stat().st_size and not jpath.read_bytes().endswith(b"\n"):
+        with open(jpath, "a") as j:  # a line cut by a kill: end it, so the next entry stays whole
+            j.write("\n")
+    with open(jpath, "a") as journal, cf.ThreadPoolExecutor(workers) as pool:
         futures = {pool.submit(work, u): u for u in todo}
         try:
             for fut in cf.as_completed(futures):
@@ -490,20 +714,15 @@ def convert(src: str | Path, dst: str | Path, *, dtype: str = "auto", ue8m0: boo
                      f"declares scale_fmt ue8m0: {_group_odd_scales(odd)}. Kept as exact fp32 scales "
                      "(the loader applies any fp32 scale), so the model is unchanged")
 
-    # ---- finish: Orbax metadata, config and tokenizer files, data on disk, manifest last, rename
+    # ---- finish: Orbax metadata, config and side files, data on disk, manifest, then the rename.
+    # Every step is redone by --resume until the manifest exists; after it only the rename is left.
     orbax_io.write_tree_metadata(params, {x.path: x.shape for x in all_leaves})
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    copied = []
-    for pattern in EXTRA_FILES:
-        for f in sorted(source.root.glob(pattern)):
-            if f.is_file():
-                shutil.copyfile(f, tmp / f.name)
-                copied.append(f.name)
+    _pause()
+    copied = _copy_side_files(source.root, tmp, notes)
     bytes_out = sum(int(np.prod(x.shape, dtype=np.int64)) * x.dtype.itemsize for x in all_leaves)
-    report = ConvertReport(str(src), str(dst), out_name, n_tensors, len(all_leaves), source.nbytes,
+    report = ConvertReport(str(source.root), str(dst), out_name, n_tensors, len(all_leaves), source.nbytes,
                            bytes_out, 0.0, 0, baseline, len(units), len(units) - len(todo), notes)
-    for f in (PLAN, JOURNAL):
-        (tmp / f).unlink(missing_ok=True)
     manifest = {
         "format": MANIFEST_FORMAT, "converter_version": CONVERTER_VERSION,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -516,39 +735,79 @@ def convert(src: str | Path, dst: str | Path, *, dtype: str = "auto", ue8m0: boo
     }
     _fsync_tree(tmp)  # every chunk durable before the manifest declares the checkpoint complete
     _write_json(tmp / COMPLETE_MARKER, manifest)
+    _pause()
     return _finish_rename(tmp, dst, force, report, t0)
 
 
-def _fsync_tree(root: Path) -> None:
-    for d, _, files in os.walk(root):
-        for name in files:
-            fd = os.open(os.path.join(d, name), os.O_RDONLY)
+def _copy_side_files(root: Path, tmp: Path, notes: list[str]) -> list[str]:
+    """Copy generation config, tokenizer and template files as regular files; a name that is not a
+    regular file inside the source (a symlink out of it, a directory, a fifo) is skipped with a note."""
+    copied = []
+    for pattern in EXTRA_FILES:
+        for f in sorted(root.glob(pattern)):
             try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+                regular_file_inside(root, f, f"side file {f.name}")
+            except PathContainmentError as e:
+                notes.append(f"not copied: {e}")
+                continue
+            shutil.copyfile(f, tmp / f.name)
+            copied.append(f.name)
+    return copied
 
 
-def _load_report(tmp: Path, t0: float, baseline: int) -> ConvertReport:
-    m = json.loads((tmp / COMPLETE_MARKER).read_text())
+def _fsync_tree(root: Path) -> None:
+    paths = [os.path.join(d, name) for d, _, files in os.walk(root) for name in files]
+    for i, p in enumerate(paths):
+        if i == len(paths) // 2:
+            _pause()
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    for d, _, _ in os.walk(root):
+        _fsync_dir(Path(d))
+
+
+def _load_report(d: Path, t0: float, baseline: int) -> ConvertReport:
+    m = json.loads((d / COMPLETE_MARKER).read_text())
     return ConvertReport(m["source"]["path"], "", m["dtype"], m["source"]["tensors"], len(m["leaves"]),
-                         m["source"]["bytes"], m["bytes"], 0.0, 0, baseline, 0, 0, m["notes"])
+                         m["source"]["bytes"], m["bytes"], 0.0, 0, baseline, 0, 0, list(m["notes"]))
 
 
-def _finish_rename(tmp: Path, dst: Path, force: bool, report: ConvertReport,
-                   t0: float | None = None) -> ConvertReport:
+def _finish_rename(tmp: Path, dst: Path, force: bool, report: ConvertReport, t0: float) -> ConvertReport:
+    """Move the finished temporary directory into place (replacing an old checkpoint of ours)."""
+    for f in (PLAN, JOURNAL):  # bookkeeping of the run; the manifest now says it is complete
+        (tmp / f).unlink(missing_ok=True)
+    _fsync_dir(tmp)
+    _pause()
     if dst.exists():
         if not force:
             raise ConvertError(f"destination {dst} already exists; pass --force to replace it")
+        # Checked by _check_destination under the same lock: dst is a checkpoint of ours.
         old = dst.parent / f".{dst.name}.replaced-{os.getpid()}"
         os.rename(dst, old)
         os.rename(tmp, dst)
-        shutil.rmtree(old)
+        _fsync_dir(dst.parent)
+        _remove_ours(old)
     else:
         os.rename(tmp, dst)
+        _fsync_dir(dst.parent)
+    _clean_replaced(dst)
+    return _finish_report(report, dst, t0)
+
+
+def _clean_replaced(dst: Path) -> None:
+    """Delete old checkpoints a run killed during a --force replacement left beside a complete `dst`."""
+    pattern = re.sub(r"([*?\[])", r"[\1]", f".{dst.name}.replaced-") + "*"
+    for old in dst.parent.glob(pattern):
+        if _is_ours(old):
+            _remove_ours(old)
+
+
+def _finish_report(report: ConvertReport, dst: Path, t0: float) -> ConvertReport:
     report.dst = str(dst)
-    if t0 is not None:
-        report.seconds = time.perf_counter() - t0
+    report.seconds = time.perf_counter() - t0
     report.peak_rss = peak_rss()
     return report
 

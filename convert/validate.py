@@ -11,17 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import struct
 from pathlib import Path
 from typing import Any
 
 from convert import hf_names
-from convert.safetensors_io import SafetensorsError, TensorInfo, read_header
-from dsv3_jax.config import ConfigError, ModelConfig
-
-INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
+from convert.safetensors_io import INDEX, SINGLE, SafetensorsError, TensorInfo, read_header, shard_files
+from dsv3_jax.config import ConfigError, ModelConfig, read_json_object
+from dsv3_jax.paths import PathContainmentError, contained
 
 
 class ValidationError(ValueError):
@@ -87,25 +84,21 @@ def inspect_source(src: str | Path, *, include_mtp: bool = True) -> Source:
         raise ValidationError(root, ["source directory does not exist"])
     problems: list[str] = []
     try:
-        config = json.loads((root / "config.json").read_text())
+        contained(root, "config.json", "config.json")
+        config = read_json_object(root / "config.json", "config.json")
         cfg = ModelConfig.from_hf_dict(config)
     except FileNotFoundError:
         raise ValidationError(root, ["config.json is missing"]) from None
-    except (json.JSONDecodeError, ConfigError) as e:
+    except (ConfigError, PathContainmentError) as e:
         raise ValidationError(root, [f"config.json: {e}"]) from None
 
     # ---- shard index and headers
-    weight_map: dict[str, str] = {}
-    if (root / INDEX).exists():
-        try:
-            weight_map = json.loads((root / INDEX).read_text())["weight_map"]
-            files = sorted(set(weight_map.values()))
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise ValidationError(root, [f"{INDEX}: unreadable ({e!r})"]) from None
-    elif (root / SINGLE).exists():
-        files = [SINGLE]
-    else:
-        raise ValidationError(root, [f"neither {INDEX} nor {SINGLE} exists"])
+    try:
+        weight_map, files = shard_files(root)
+    except FileNotFoundError:
+        raise ValidationError(root, [f"neither {INDEX} nor {SINGLE} exists"]) from None
+    except (SafetensorsError, PathContainmentError) as e:
+        raise ValidationError(root, [str(e)]) from None
     tensors: dict[str, TensorInfo] = {}
     shards: list[ShardInfo] = []
     unreadable: set[str] = set()
@@ -126,7 +119,7 @@ def inspect_source(src: str | Path, *, include_mtp: bool = True) -> Source:
             continue
         if name not in tensors:
             problems.append(f"tensor {name}: listed in {INDEX} under {f} but absent from that shard")
-        elif tensors[name].file.name != f:
+        elif tensors[name].file != root / f:
             problems.append(f"tensor {name}: {INDEX} says {f}, found in {tensors[name].file.name}")
     skip = {n for n, f in weight_map.items() if f in unreadable}  # already reported through their shard
 

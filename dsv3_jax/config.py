@@ -1,6 +1,7 @@
 """Model configuration: every knob of DeepSeek-V3, read from HF `config.json` or a named preset.
 
-Owns: the frozen `ModelConfig` dataclass, its validation (errors name the field), presets, and the
+Owns: the frozen `ModelConfig` dataclass, its validation (every field type- and range-checked, errors
+name the field and the value), reading a JSON object file (`read_json_object`), presets, and the
 derived sizes (parameter counts, weight bytes, KV-cache bytes per token). Must not touch arrays.
 """
 
@@ -179,15 +180,24 @@ class ModelConfig:
             if not cond:
                 raise ConfigError(f"config field `{field}`: {why}")
 
+        # Types and ranges first (every field, so nothing below compares a string with a number).
         for f in ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
                   "num_hidden_layers", "n_routed_experts", "num_experts_per_tok", "n_group",
                   "topk_group", "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim",
                   "qk_rope_head_dim", "v_head_dim", "max_position_embeddings"):
-            v = getattr(self, f)
-            need(isinstance(v, int) and not isinstance(v, bool) and v > 0, f,
-                 f"must be a positive integer, got {v!r}")
-        need(self.q_lora_rank is None or self.q_lora_rank > 0, "q_lora_rank", "must be null or > 0")
-        need(0 <= self.first_k_dense_replace, "first_k_dense_replace", "must be >= 0")
+            _check_int(getattr(self, f), f, 1)
+        for f in ("first_k_dense_replace", "n_shared_experts", "num_nextn_predict_layers", "bos_token_id",
+                  "eos_token_id"):
+            _check_int(getattr(self, f), f, 0)
+        if self.q_lora_rank is not None:
+            _check_int(self.q_lora_rank, "q_lora_rank", 1, "null or ")
+        for f in ("routed_scaling_factor", "rms_norm_eps", "rope_theta"):
+            _check_float(getattr(self, f), f, positive=True)
+        for f in ("norm_topk_prob", "rope_interleave", "tie_word_embeddings"):
+            need(isinstance(getattr(self, f), bool), f, f"must be true or false, got {getattr(self, f)!r}")
+        for f in ("topk_method", "scoring_func", "dtype"):
+            need(isinstance(getattr(self, f), str), f, f"must be a string, got {getattr(self, f)!r}")
+
         need(self.qk_rope_head_dim % 2 == 0, "qk_rope_head_dim", "must be even (rotary pairs)")
         need(self.topk_method == "noaux_tc", "topk_method",
              f"only 'noaux_tc' (DeepSeek-V3) is supported, got {self.topk_method!r}")
@@ -203,22 +213,31 @@ class ModelConfig:
         need(self.num_experts_per_tok <= left, "num_experts_per_tok",
              f"{self.num_experts_per_tok} experts per token, but group selection keeps only "
              f"{left} (topk_group={self.topk_group} x {per_group} experts per group)")
-        need(self.n_shared_experts >= 0, "n_shared_experts", "must be >= 0")
-        need(self.num_nextn_predict_layers >= 0, "num_nextn_predict_layers", "must be >= 0")
-        need(self.rms_norm_eps > 0, "rms_norm_eps", "must be > 0")
+        for f in ("bos_token_id", "eos_token_id"):
+            need(getattr(self, f) < self.vocab_size, f,
+                 f"{getattr(self, f)} is not a token id (vocab_size {self.vocab_size})")
         need(self.dtype in ("bfloat16", "float32", "float16"), "dtype",
              f"must be bfloat16, float16 or float32, got {self.dtype!r}")
         s = self.rope_scaling
         if s is not None:
+            need(isinstance(s, YarnScaling), "rope_scaling", f"must be a YaRN setting, got {s!r}")
+            for f in ("factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
+                _check_float(getattr(s, f), f"rope_scaling.{f}", positive=False)
+            _check_int(s.original_max_position_embeddings, "rope_scaling.original_max_position_embeddings", 1)
             need(s.factor >= 1.0, "rope_scaling.factor", f"must be >= 1, got {s.factor}")
             need(s.beta_fast > s.beta_slow, "rope_scaling.beta_fast", "must be larger than beta_slow")
-            need(s.original_max_position_embeddings > 0, "rope_scaling.original_max_position_embeddings",
-                 "must be > 0")
         q = self.quantization
         if q is not None:
+            need(isinstance(q, QuantConfig), "quantization_config", f"must be an object, got {q!r}")
             need(q.fmt == "e4m3", "quantization_config.fmt", f"only e4m3 is supported, got {q.fmt!r}")
-            need(tuple(q.weight_block_size) == (128, 128), "quantization_config.weight_block_size",
-                 f"only [128, 128] is supported, got {list(q.weight_block_size)}")
+            wbs = q.weight_block_size
+            need(isinstance(wbs, tuple | list) and tuple(wbs) == (128, 128)
+                 and not any(isinstance(x, bool) for x in wbs), "quantization_config.weight_block_size",
+                 f"only [128, 128] is supported, got {wbs!r}")
+            need(q.activation_scheme == "dynamic", "quantization_config.activation_scheme",
+                 f"only 'dynamic' is supported, got {q.activation_scheme!r}")
+            need(q.scale_fmt in (None, "ue8m0"), "quantization_config.scale_fmt",
+                 f"must be null or 'ue8m0', got {q.scale_fmt!r}")
 
     # ---------------------------------------------------------------- construction
     def replace(self, **changes: Any) -> ModelConfig:
@@ -226,7 +245,12 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
-        """Build from an HF `config.json` dict (rope_scaling or rope_parameters spelling)."""
+        """Build from an HF `config.json` dict (rope_scaling or rope_parameters spelling).
+
+        Every field is type- and range-checked (ConfigError naming the field and the value).
+        """
+        if not isinstance(d, dict):
+            raise ConfigError(f"config.json must hold a JSON object, got {type(d).__name__}")
         mt = d.get("model_type")
         if mt is not None and mt != "deepseek_v3":
             raise ConfigError(f"config field `model_type`: expected 'deepseek_v3', got {mt!r}")
@@ -237,17 +261,30 @@ class ModelConfig:
                 raise ConfigError(f"config field `{f}`: missing from config.json")
         names = {f.name for f in dataclasses.fields(cls)} - {"rope_scaling", "quantization", "dtype"}
         kw: dict[str, Any] = {k: d[k] for k in names if k in d}
-        if isinstance(kw.get("eos_token_id"), list):
-            kw["eos_token_id"] = kw["eos_token_id"][0]
+        for f in ("eos_token_id", "bos_token_id"):
+            if isinstance(kw.get(f), list):
+                if not kw[f]:
+                    raise ConfigError(f"config field `{f}`: an empty list names no token")
+                kw[f] = kw[f][0]
         kw["rope_scaling"], theta = _parse_rope(d)
         if theta is not None:
-            kw["rope_theta"] = float(theta)
-        kw["dtype"] = str(d.get("torch_dtype") or d.get("dtype") or "bfloat16")
+            kw["rope_theta"] = theta
+        dtype = d.get("torch_dtype") or d.get("dtype") or "bfloat16"
+        if not isinstance(dtype, str):
+            raise ConfigError(f"config field `torch_dtype`: must be a string, got {dtype!r}")
+        kw["dtype"] = dtype
         qc = d.get("quantization_config")
-        if qc:
+        if qc is not None and qc != {}:
+            if not isinstance(qc, dict):
+                raise ConfigError(f"config field `quantization_config`: must be an object, got {qc!r}")
+            qm = qc.get("quant_method", "fp8")
+            if qm != "fp8":
+                raise ConfigError(f"config field `quantization_config.quant_method`: only 'fp8' (the "
+                                  f"official block format) is supported, got {qm!r}")
+            wbs = qc.get("weight_block_size", (128, 128))
             kw["quantization"] = QuantConfig(
                 fmt=qc.get("fmt", "e4m3"),
-                weight_block_size=tuple(qc.get("weight_block_size", (128, 128))),
+                weight_block_size=tuple(wbs) if isinstance(wbs, list | tuple) else wbs,
                 activation_scheme=qc.get("activation_scheme", "dynamic"),
                 scale_fmt=qc.get("scale_fmt"),
             )
@@ -258,13 +295,7 @@ class ModelConfig:
         path = Path(path)
         if path.is_dir():
             path = path / "config.json"
-        if not path.exists():
-            raise FileNotFoundError(f"config.json not found: {path}")
-        try:
-            d = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}: not valid JSON ({e})") from e
-        return cls.from_hf_dict(d)
+        return cls.from_hf_dict(read_json_object(path, "config.json"))
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The HF `config.json` spelling (rope_scaling form), readable by transformers."""
@@ -298,8 +329,11 @@ def _parse_rope(d: dict[str, Any]) -> tuple[YarnScaling | None, float | None]:
     """Read `rope_scaling` (older) or `rope_parameters` (newer transformers)."""
     rp = d.get("rope_parameters")
     rs = d.get("rope_scaling")
+    for name, v in (("rope_parameters", rp), ("rope_scaling", rs)):
+        if v is not None and not isinstance(v, dict):
+            raise ConfigError(f"config field `{name}`: must be an object or null, got {v!r}")
     src = rp if rp else rs
-    theta = (rp or {}).get("rope_theta") if rp else None
+    theta = rp.get("rope_theta") if rp else None
     if not src:
         return None, theta
     kind = src.get("rope_type", src.get("type", "default"))
@@ -312,6 +346,39 @@ def _parse_rope(d: dict[str, Any]) -> tuple[YarnScaling | None, float | None]:
     if "original_max_position_embeddings" not in kw:
         raise ConfigError("config field `rope_scaling.original_max_position_embeddings`: missing for yarn")
     return YarnScaling(**kw), theta
+
+
+def _check_int(v: Any, field: str, lo: int, also: str = "") -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        want = "a positive integer" if lo == 1 else f"an integer >= {lo}"
+        raise ConfigError(f"config field `{field}`: must be {also}{want}, got {v!r}")
+
+
+def _check_float(v: Any, field: str, *, positive: bool) -> None:
+    ok = isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+    if not ok or (positive and v <= 0):
+        want = "a finite number > 0" if positive else "a finite number"
+        raise ConfigError(f"config field `{field}`: must be {want}, got {v!r}")
+
+
+def read_json_object(path: str | Path, what: str) -> dict[str, Any]:
+    """A JSON object from a UTF-8 file (a BOM is tolerated); ConfigError naming the file otherwise."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{what} not found: {path}")
+    if not path.is_file():
+        raise ConfigError(f"{path}: {what} is not a regular file")
+    try:
+        d = json.loads(path.read_text(encoding="utf-8-sig"))
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: unreadable ({e.strerror})") from None
+    if not isinstance(d, dict):
+        raise ConfigError(f"{path}: {what} must hold a JSON object, got {type(d).__name__}")
+    return d
 
 
 PRESETS: dict[str, ModelConfig] = {

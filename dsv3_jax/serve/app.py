@@ -1,0 +1,561 @@
+"""The HTTP side: FastAPI routes of the OpenAI-compatible API over one EngineRunner.
+
+Owns: reading and validating request bodies (errors reshaped to OpenAI's `{"error": {...}}` with the
+offending field, never a traceback), building prompts (chat template with per-request thinking, the V3.1
+tool block), sampling defaults from the checkpoint's generation_config, turning engine tokens into text
+(incremental detokenization, stop strings, reasoning and tool-call parsing via parsers.py), SSE streaming,
+cancelling on client disconnect, and the HTTP-side metrics (requests, tokens, TTFT, ITL).
+Must not call the Engine directly (runner.py's thread does) nor define wire shapes (protocol.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import jinja2
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from dsv3_jax.chat import encode_chat
+from dsv3_jax.serve import protocol as P
+from dsv3_jax.serve.metrics import CONTENT_TYPE, Metrics
+from dsv3_jax.serve.parsers import ChatOutputParser, StopMatcher, tool_description
+from dsv3_jax.serve.runner import EngineRunner, Overloaded, Submission
+from dsv3_jax.tokenizer import IncrementalDetokenizer
+
+log = logging.getLogger(__name__)
+
+_SEED_MOD = 2**31  # the engine keeps seeds as int32
+_DISCONNECT_POLL_S = 0.25  # how often a non-streaming handler checks that its client is still there
+_TYPE_TAGS = ("str", "int", "float", "bool", "list", "dict", "none", "literal")  # pydantic union branch names
+
+
+class _Choice:
+    """One generated sequence of a request: its text state and what it has produced so far."""
+
+    def __init__(self, svc: Service, sub: Submission, *, chat: bool, thinking: bool, tools: bool,
+                 stop: list[str], num_logprobs: int | None):
+        self.svc, self.sub = svc, sub
+        self.detok = IncrementalDetokenizer(svc.tokenizer, skip_special_tokens=True)
+        self.chat = ChatOutputParser(thinking=thinking, tools=tools, stop=stop) if chat else None
+        self.stop = None if chat else StopMatcher(stop)
+        self.num_logprobs = num_logprobs
+        self.token_ids: list[int] = []
+        self.logprobs: list[tuple[str, float, list[tuple[str, float]]]] = []
+        self.text = ""  # completions only
+        self.finish_reason: str | None = None
+        self.cached_tokens = 0
+        self.error: str | None = None
+        self.last_token_at: float | None = None
+
+    @property
+    def stopped(self) -> bool:
+        return (self.chat or self.stop).stopped
+
+    def on_tokens(self, ids: list[int], lps: list[Any] | None, arrival: float) -> tuple[Any, list]:
+        """Feed new tokens; returns (delta, logprob entries): an OutputDelta for chat, text otherwise."""
+        now = time.perf_counter()
+        m = self.svc.metrics
+        if self.last_token_at is None:
+            m.ttft.observe(now - arrival)
+        else:
+            for _ in ids:
+                m.itl.observe((now - self.last_token_at) / len(ids))
+        self.last_token_at = now
+        self.token_ids += ids
+        entries = self._logprob_entries(lps) if self.num_logprobs is not None else []
+        self.logprobs += entries
+        piece = self.detok.extend(ids)
+        if self.chat is not None:
+            return self.chat.feed(piece), entries
+        text = self.stop.feed(piece)
+        self.text += text
+        return text, entries
+
+    def on_done(self, reason: str, cached: int, error: str | None) -> Any:
+        """The request ended: flush held-back text; returns the final delta."""
+        self.cached_tokens, self.error = cached, error
+        tail = self.detok.flush() if reason != "error" else ""
+        if self.chat is not None:
+            delta = self.chat.feed(tail)
+            rest = self.chat.flush()
+            delta.reasoning += rest.reasoning
+            delta.content += rest.content
+            delta.tool_calls += rest.tool_calls
+        else:
+            delta = self.stop.feed(tail) + self.stop.flush()
+            self.text += delta
+        self.finish_reason = self._openai_reason(reason)
+        return delta
+
+    def finish_by_stop_string(self) -> None:
+        self.finish_reason = "stop"
+        self.svc.runner.cancel(self.sub)
+
+    def _openai_reason(self, reason: str) -> str:
+        if self.stopped:
+            return "stop"
+        if reason == "stop" and self.chat is not None and self.chat.tool_calls:
+            return "tool_calls"
+        return {"stop": "stop", "length": "length"}.get(reason, reason)
+
+    def _logprob_entries(self, lps: list[Any] | None) -> list[tuple[str, float, list[tuple[str, float]]]]:
+        if not lps:
+            return []
+        dec = self.svc.token_text
+        k = self.num_logprobs
+        return [(dec(lp.token), float(lp.logprob), [(dec(t), float(v)) for t, v in lp.top[:k]]) for lp in lps]
+
+
+class Service:
+    """Everything the routes share: the handle's tokenizer and defaults, the runner, metrics."""
+
+    def __init__(self, handle: Any, runner: EngineRunner, metrics: Metrics, model_name: str):
+        if handle.tokenizer is None:
+            raise ValueError("the server needs a checkpoint with tokenizer.json")
+        self.handle, self.runner, self.metrics, self.model_name = handle, runner, metrics, model_name
+        self.tokenizer = handle.tokenizer
+        self.context = handle.config.max_position_embeddings
+        ec = runner.config
+        self.spec_k, self.page_size, self.pool_pages = ec.spec_k, ec.page_size, ec.num_pages - 1
+        self.created = P.now()
+        self._token_text: dict[int, str] = {}
+
+    def token_text(self, token_id: int) -> str:
+        t = self._token_text.get(token_id)
+        if t is None:
+            t = self._token_text[token_id] = self.tokenizer.decode([token_id])
+        return t
+
+    # ------------------------------------------------------------------ request -> engine parameters
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise P.RequestError(f"the model {model!r} does not exist (this server serves "
+                                 f"{self.model_name!r})", "model", status=404, code="model_not_found")
+
+    def chat_prompt(self, req: P.ChatCompletionRequest) -> list[int]:
+        messages = [m.template_dict() for m in req.messages]
+        kwargs = dict(req.chat_template_kwargs or {})
+        tools = req.tools if req.tools and req.tool_choice != "none" else None
+        template = self.tokenizer.chat_template or ""
+        if tools and "tools" in template:
+            kwargs["tools"] = [t.model_dump(exclude_none=True) for t in tools]
+        elif tools:  # V3.1's template ignores `tools`: the model card puts them into the system prompt
+            messages.append({"role": "system", "content": tool_description([t.model_dump() for t in tools])})
+        try:
+            return encode_chat(self.tokenizer, messages, add_generation_prompt=True, **kwargs)
+        except (ValueError, TypeError, jinja2.TemplateError) as e:
+            raise P.RequestError(f"chat template: {e}", "messages") from e
+
+    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        vocab = self.handle.config.vocab_size
+        if not prompt or min(prompt) < 0 or max(prompt) >= vocab:
+            raise P.RequestError(f"token ids must be a non-empty list in [0, {vocab})", "prompt")
+        return list(prompt)
+
+    def limit(self, prompt: list[int], requested: int | None, prompt_param: str) -> int:
+        """max_new_tokens: the request's, or all that fits; 400 naming the field when it cannot fit."""
+        if not prompt:
+            raise P.RequestError("the prompt is empty", prompt_param)
+        room = min(self.context, self.pool_pages * self.page_size) - len(prompt) - self.spec_k
+        if room < 1:
+            raise P.RequestError(f"the prompt has {len(prompt)} tokens; the server fits at most "
+                                 f"{room + len(prompt) - 1} (context {self.context}, page pool "
+                                 f"{self.pool_pages * self.page_size} tokens)", prompt_param)
+        if requested is None:
+            return room
+        if requested > room:
+            raise P.RequestError(f"prompt ({len(prompt)} tokens) + max_tokens ({requested}) exceeds what the "
+                                 f"server fits ({room + len(prompt)} tokens)", "max_tokens")
+        return requested
+
+    def sampling(self, req: P._SamplingRequest, index: int, num_logprobs: int | None,
+                 max_new_tokens: int) -> dict[str, Any]:
+        d = self.handle.generation_defaults
+        top_k = req.top_k if req.top_k is not None else d.get("top_k", 0)
+        seed = req.seed if req.seed is not None else random.randrange(_SEED_MOD)
+        params = {"max_new_tokens": max_new_tokens,
+                  "temperature": _pick(req.temperature, d.get("temperature", 1.0)),
+                  "top_p": _pick(req.top_p, d.get("top_p", 1.0)),
+                  "top_k": max(int(top_k), 0), "seed": (seed + index) % _SEED_MOD,
+                  "eos": [] if req.ignore_eos else self.handle._eos_ids()}
+        if num_logprobs is not None:
+            params["logprobs"] = num_logprobs
+        return params
+
+    def submit_all(self, prompts: list[list[int]], params: list[dict[str, Any]]) -> list[Submission]:
+        """Submit every choice (one HTTP request may hold several); all or none, else 429."""
+        loop = asyncio.get_running_loop()
+        shared: asyncio.Queue = asyncio.Queue()
+        subs: list[Submission] = []
+        try:
+            for i, (p, kw) in enumerate(zip(prompts, params)):
+                subs.append(self.runner.submit(p, kw, loop, out_queue=shared, tag=i))
+        except Overloaded as e:
+            for s in subs:
+                self.runner.cancel(s)
+            raise P.RequestError(str(e), None, status=429, type="rate_limit_error", code="server_busy") from e
+        return subs
+
+
+def _pick(value: Any, default: Any) -> Any:
+    return default if value is None else value
+
+
+# ---------------------------------------------------------------------------------------- body parsing
+
+
+async def _body(request: Request, model: type[P._Strict]) -> Any:
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise P.RequestError(f"malformed JSON body: {e}", None) from e
+    if not isinstance(data, dict):
+        raise P.RequestError("the request body must be a JSON object", None)
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise _validation_error(e) from e
+
+
+def _validation_error(e: ValidationError) -> P.RequestError:
+    """The first pydantic error as one line naming the field (union branches folded into one message)."""
+    errs = e.errors(include_url=False)
+    first = errs[0]
+    loc = [str(x) for x in first["loc"] if isinstance(x, int) or not _is_union_tag(x)]
+    param = _join_loc(loc)
+    same_field = [x for x in errs if x["loc"][:1] == first["loc"][:1]]
+    if first["type"] == "extra_forbidden":
+        msg = f"unknown field {param!r}"
+    elif first["type"] == "missing":
+        msg = f"{param} is required"
+    elif len(same_field) > 1 and len({x["type"] for x in same_field}) > 1:
+        msg = f"{param}: invalid value {_short(first.get('input'))} (wrong type or shape)"
+    else:
+        msg = f"{param}: {first['msg']} (got {_short(first.get('input'))})"
+    return P.RequestError(msg, param)
+
+
+def _is_union_tag(x: Any) -> bool:
+    # pydantic names union branches in `loc` by their type ("str", "list[int]", "function-after[...]")
+    return any(c in x for c in "[]") or x in _TYPE_TAGS
+
+
+def _join_loc(loc: list[str]) -> str:
+    out = ""
+    for x in loc:
+        out += f"[{x}]" if x.isdigit() else (f".{x}" if out else x)
+    return out or None
+
+
+def _short(value: Any) -> str:
+    s = json.dumps(value, ensure_ascii=False, default=str)
+    return s if len(s) <= 60 else s[:57] + "..."
+
+
+# --------------------------------------------------------------------------------------------- the app
+
+
+def create_app(svc: Service) -> FastAPI:
+    app = FastAPI(title="dsv3-jax", docs_url=None, redoc_url=None)
+    app.state.svc = svc
+
+    @app.exception_handler(P.RequestError)
+    async def _request_error(_: Request, e: P.RequestError) -> JSONResponse:
+        headers = {"Retry-After": "1"} if e.status == 429 else None
+        return JSONResponse(P.error_body(e.message, e.type, e.param, e.code), e.status, headers=headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(P.error_body(str(e.detail), "invalid_request_error"), e.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, e: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return JSONResponse(P.error_body(f"internal error: {type(e).__name__}: {e}", "server_error"), 500)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        ok = svc.runner.alive
+        return JSONResponse({"status": "ok" if ok else "engine thread stopped", **svc.runner.status()},
+                            200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(svc.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": svc.model_name, "object": "model", "created": svc.created,
+                                            "owned_by": "dsv3-jax", "max_model_len": svc.context}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        arrival = time.perf_counter()
+        req: P.ChatCompletionRequest = await _body(request, P.ChatCompletionRequest)
+        svc.check_model(req.model)
+        prompt = svc.chat_prompt(req)
+        limit = svc.limit(prompt, req.token_limit, "messages")
+        params = [svc.sampling(req, i, req.num_logprobs, limit) for i in range(req.n)]
+        subs = svc.submit_all([prompt] * req.n, params)
+        tools = bool(req.tools) and req.tool_choice != "none"
+        choices = [_Choice(svc, s, chat=True, thinking=req.thinking, tools=tools, stop=req.stop_list(),
+                           num_logprobs=req.num_logprobs) for s in subs]
+        ctx = _Ctx(svc, "chat", P.new_id("chatcmpl"), [len(prompt)], [prompt], arrival, req)
+        if req.stream:
+            return _sse(_chat_stream(ctx, choices))
+        return await _complete(request, ctx, choices, _chat_response)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        arrival = time.perf_counter()
+        req: P.CompletionRequest = await _body(request, P.CompletionRequest)
+        svc.check_model(req.model)
+        prompts = [svc.encode_prompt(p) for p in req.prompts()]
+        limits = [svc.limit(p, req.token_limit, "prompt") for p in prompts]
+        flat = [p for p in prompts for _ in range(req.n)]
+        params = [svc.sampling(req, i, req.num_logprobs, limits[i // req.n]) for i in range(len(flat))]
+        subs = svc.submit_all(flat, params)
+        choices = [_Choice(svc, s, chat=False, thinking=False, tools=False, stop=req.stop_list(),
+                           num_logprobs=req.num_logprobs) for s in subs]
+        ctx = _Ctx(svc, "completions", P.new_id("cmpl"), [len(p) for p in prompts], prompts, arrival, req)
+        if req.echo:
+            for c, p in zip(choices, flat):
+                c.text = svc.tokenizer.decode(p, skip_special_tokens=True)
+        if req.stream:
+            return _sse(_completion_stream(ctx, choices))
+        return await _complete(request, ctx, choices, _completion_response)
+
+    return app
+
+
+class _Ctx:
+    """Per-HTTP-request facts the response builders need."""
+
+    def __init__(self, svc: Service, endpoint: str, rid: str, prompt_lens: list[int],
+                 prompts: list[list[int]], arrival: float, req: Any):
+        self.svc, self.endpoint, self.id = svc, endpoint, rid
+        self.prompt_lens, self.prompts = prompt_lens, prompts
+        self.arrival, self.req, self.created = arrival, req, P.now()
+        self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+    def usage(self, choices: list[_Choice]) -> dict[str, Any]:
+        # Prompt tokens count once per prompt (n samples share them); cached tokens as the engine reports.
+        n = self.req.n
+        cached = sum(c.cached_tokens for c in choices[::n])
+        return P.usage(sum(self.prompt_lens), sum(len(c.token_ids) for c in choices), cached)
+
+    def record(self, choices: list[_Choice], outcome: str) -> None:
+        m = self.svc.metrics
+        m.requests.labels(self.endpoint, outcome).inc()
+        m.prompt_tokens.inc(sum(self.prompt_lens))
+        m.cached_tokens.inc(sum(c.cached_tokens for c in choices[:: self.req.n]))
+        m.generation_tokens.inc(sum(len(c.token_ids) for c in choices))
+        m.e2e.observe(time.perf_counter() - self.arrival)
+
+
+async def _events(ctx: _Ctx, choices: list[_Choice]) -> AsyncIterator[tuple[int, Any, list]]:
+    """(choice index, delta, logprob entries) as tokens arrive; a final delta per choice when it ends.
+
+    Cancels every unfinished choice in the engine when the consumer stops early (client disconnect).
+    """
+    q = choices[0].sub.queue
+    open_ = set(range(len(choices)))
+    try:
+        while open_:
+            tag, kind, *rest = await q.get()
+            if tag not in open_:
+                continue  # a choice already ended by a stop string: its "cancelled" echo
+            c = choices[tag]
+            if kind == "tokens":
+                delta, lps = c.on_tokens(rest[0], rest[1], ctx.arrival)
+                if c.stopped:
+                    delta_end = c.on_done("stop", 0, None)
+                    _merge_into(delta, delta_end)
+                    c.finish_by_stop_string()
+                    open_.discard(tag)
+                yield tag, delta, lps
+            else:
+                reason, cached, error = rest
+                if reason in ("rejected", "error") and not c.token_ids and error:
+                    c.error = error
+                delta = c.on_done(reason, cached, error)
+                open_.discard(tag)
+                yield tag, delta, []
+    finally:
+        for i in open_:
+            ctx.svc.runner.cancel(choices[i].sub)
+        if open_:
+            ctx.record(choices, "cancelled")
+
+
+def _merge_into(delta: Any, tail: Any) -> None:
+    if isinstance(delta, str):
+        return  # completions: the stop matcher already returned everything before the stop string
+    delta.reasoning += tail.reasoning
+    delta.content += tail.content
+    delta.tool_calls += tail.tool_calls
+
+
+def _outcome(choices: list[_Choice]) -> str:
+    return "error" if any(c.finish_reason in ("error", "rejected") for c in choices) else "ok"
+
+
+async def _complete(request: Request, ctx: _Ctx, choices: list[_Choice], build) -> Response:
+    """Non-streaming: gather every choice, watching for the client to go away (then cancel)."""
+    async def consume() -> None:
+        async for _ in _events(ctx, choices):
+            pass
+
+    task = asyncio.ensure_future(consume())
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+        if done:
+            break
+        if await request.is_disconnected():
+            task.cancel()  # _events' finally cancels the engine requests
+            await asyncio.gather(task, return_exceptions=True)
+            return Response(status_code=499)
+    task.result()
+    failed = [c for c in choices if c.finish_reason in ("error", "rejected")]
+    if failed:
+        ctx.record(choices, "error")
+        status = 400 if failed[0].finish_reason == "rejected" else 500
+        kind = "invalid_request_error" if status == 400 else "server_error"
+        return JSONResponse(P.error_body(failed[0].error or "generation failed", kind), status)
+    ctx.record(choices, "ok")
+    return JSONResponse(build(ctx, choices))
+
+
+def _chat_response(ctx: _Ctx, choices: list[_Choice]) -> dict[str, Any]:
+    out = []
+    for i, c in enumerate(choices):
+        calls = [t.to_openai() for t in c.chat.tool_calls]
+        msg: dict[str, Any] = {"role": "assistant", "content": c.chat.content if (c.chat.content or not calls)
+                               else None, "reasoning_content": c.chat.reasoning or None}
+        if calls:
+            msg["tool_calls"] = calls
+        choice = {"index": i, "message": msg, "finish_reason": c.finish_reason,
+                  "logprobs": {"content": P.chat_logprob_entries(c.logprobs)} if c.num_logprobs is not None
+                  else None}
+        if ctx.req.return_token_ids:
+            choice["token_ids"] = c.token_ids
+        out.append(choice)
+    body = {"id": ctx.id, "object": "chat.completion", "created": ctx.created, "model": ctx.svc.model_name,
+            "choices": out, "usage": ctx.usage(choices), "system_fingerprint": None}
+    if ctx.req.return_token_ids:
+        body["prompt_token_ids"] = ctx.prompts[0]
+    return body
+
+
+def _completion_response(ctx: _Ctx, choices: list[_Choice]) -> dict[str, Any]:
+    out = []
+    for i, c in enumerate(choices):
+        choice = {"index": i, "text": c.text, "finish_reason": c.finish_reason,
+                  "logprobs": P.completion_logprobs(c.logprobs, 0) if c.num_logprobs is not None else None}
+        if ctx.req.return_token_ids:
+            choice["token_ids"] = c.token_ids
+            choice["prompt_token_ids"] = ctx.prompts[i // ctx.req.n]
+        out.append(choice)
+    return {"id": ctx.id, "object": "text_completion", "created": ctx.created, "model": ctx.svc.model_name,
+            "choices": out, "usage": ctx.usage(choices), "system_fingerprint": None}
+
+
+# ------------------------------------------------------------------------------------------- streaming
+
+
+def _sse(gen: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
+    async def body() -> AsyncIterator[str]:
+        async for obj in gen:
+            yield f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _chunk(ctx: _Ctx, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    out = {"id": ctx.id, "object": obj, "created": ctx.created, "model": ctx.svc.model_name,
+           "system_fingerprint": None, "choices": choices}
+    if ctx.include_usage:
+        out["usage"] = None
+    return out
+
+
+def _error_event(choices: list[_Choice]) -> dict[str, Any] | None:
+    bad = next((c for c in choices if c.finish_reason in ("error", "rejected")), None)
+    if bad is None:
+        return None
+    return P.error_body(bad.error or "generation failed",
+                        "invalid_request_error" if bad.finish_reason == "rejected" else "server_error")
+
+
+async def _chat_stream(ctx: _Ctx, choices: list[_Choice]) -> AsyncIterator[dict[str, Any]]:
+    obj = "chat.completion.chunk"
+    sent = [0] * len(choices)  # token ids already sent per choice (return_token_ids)
+    for i in range(len(choices)):
+        yield _chunk(ctx, obj, [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                 "finish_reason": None}])
+    async for i, d, lps in _events(ctx, choices):
+        c = choices[i]
+        delta: dict[str, Any] = {}
+        if d.reasoning:
+            delta["reasoning_content"] = d.reasoning
+        if d.content:
+            delta["content"] = d.content
+        if d.tool_calls:
+            delta["tool_calls"] = [t.to_openai() for t in d.tool_calls]
+        done = c.finish_reason is not None
+        if delta or lps:
+            ch = {"index": i, "delta": delta, "finish_reason": None,
+                  "logprobs": {"content": P.chat_logprob_entries(lps)} if lps else None}
+            if ctx.req.return_token_ids:
+                ch["token_ids"] = c.token_ids[sent[i]:]
+                sent[i] = len(c.token_ids)
+            yield _chunk(ctx, obj, [ch])
+        if done and c.finish_reason not in ("error", "rejected"):
+            yield _chunk(ctx, obj, [{"index": i, "delta": {}, "logprobs": None,
+                                     "finish_reason": c.finish_reason}])
+    async for ev in _stream_end(ctx, choices):
+        yield ev
+
+
+async def _completion_stream(ctx: _Ctx, choices: list[_Choice]) -> AsyncIterator[dict[str, Any]]:
+    obj = "text_completion"
+    offsets = [len(c.text) for c in choices]
+    for i, c in enumerate(choices):
+        if c.text:  # echo: the prompt text first
+            yield _chunk(ctx, obj, [{"index": i, "text": c.text, "logprobs": None, "finish_reason": None}])
+    async for i, text, lps in _events(ctx, choices):
+        c = choices[i]
+        if text or lps:
+            yield _chunk(ctx, obj, [{"index": i, "text": text, "finish_reason": None,
+                                     "logprobs": P.completion_logprobs(lps, offsets[i]) if lps else None}])
+            offsets[i] += len(text)
+        if c.finish_reason is not None and c.finish_reason not in ("error", "rejected"):
+            yield _chunk(ctx, obj, [{"index": i, "text": "", "logprobs": None,
+                                     "finish_reason": c.finish_reason}])
+    async for ev in _stream_end(ctx, choices):
+        yield ev
+
+
+async def _stream_end(ctx: _Ctx, choices: list[_Choice]) -> AsyncIterator[dict[str, Any]]:
+    err = _error_event(choices)
+    ctx.record(choices, _outcome(choices))
+    if err is not None:
+        yield err
+    if ctx.include_usage:
+        obj = "chat.completion.chunk" if ctx.endpoint == "chat" else "text_completion"
+        yield {**_chunk(ctx, obj, []), "usage": ctx.usage(choices)}
+

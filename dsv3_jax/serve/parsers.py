@@ -1,0 +1,298 @@
+"""The model's output text, parsed for the OpenAI API: stop strings, `<think>` reasoning, V3.1 tool calls.
+
+Owns: the DeepSeek-V3.1 output markers as text (think tags, the tool-call tokens), the incremental parsers
+that turn a stream of text pieces into reasoning, content and tool-call deltas, and the tool description
+block that the V3.1 model card puts into the system prompt (its chat template does not render `tools`).
+Every parser holds back a tail that could still grow into a marker, so pieces split anywhere (inside a
+marker, inside a multi-character stop string) give the same result as the whole text at once, and the
+streamed deltas concatenate to the non-streamed answer. Must not touch token ids, the engine or HTTP.
+
+V3.1 tool-call format (model card; the chat template writes past calls the same way):
+`<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGUMENTS-JSON<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>`
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+THINK_START, THINK_END = "<think>", "</think>"
+CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+CALL_BEGIN, CALL_END, CALL_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+
+
+def _held_tail(text: str, markers: Sequence[str]) -> int:
+    """Length of the longest tail of `text` that is a proper prefix of one of `markers` (may still grow)."""
+    best = 0
+    for m in markers:
+        for n in range(min(len(m) - 1, len(text)), best, -1):
+            if text.endswith(m[:n]):
+                best = n
+                break
+    return best
+
+
+class StopMatcher:
+    """Cuts the text at the first stop string; holds back a tail that could be the start of one."""
+
+    def __init__(self, stops: Sequence[str] = ()):
+        self.stops = [s for s in stops if s]
+        self.stopped = False
+        self._held = ""
+
+    def feed(self, piece: str) -> str:
+        """The part of `piece` (plus held text) that is safe to emit; sets `stopped` on a hit."""
+        if self.stopped:
+            return ""
+        if not self.stops:
+            return piece
+        buf = self._held + piece
+        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.stopped, self._held = True, ""
+            return buf[: min(hits)]
+        keep = _held_tail(buf, self.stops)
+        self._held = buf[len(buf) - keep:]
+        return buf[: len(buf) - keep]
+
+    def flush(self) -> str:
+        out, self._held = self._held, ""
+        return out
+
+
+class ReasoningParser:
+    """Splits text into (reasoning, content) at `</think>`.
+
+    With thinking on, the V3.1 template already ends the prompt with `<think>`, so the output starts as
+    reasoning; a leading `<think>` the model writes anyway is dropped. With thinking off the prompt ends
+    with `</think>` and everything is content.
+    """
+
+    def __init__(self, thinking: bool):
+        self.in_reasoning = thinking
+        self._at_start = thinking
+        self._held = ""
+
+    def feed(self, text: str) -> tuple[str, str]:
+        buf, self._held = self._held + text, ""
+        if not self.in_reasoning:
+            return "", buf
+        if self._at_start:
+            if len(buf) < len(THINK_START) and THINK_START.startswith(buf):
+                self._held = buf
+                return "", ""
+            if buf.startswith(THINK_START):
+                buf = buf[len(THINK_START):]
+            self._at_start = False
+        i = buf.find(THINK_END)
+        if i >= 0:
+            self.in_reasoning = False
+            return buf[:i], buf[i + len(THINK_END):]
+        keep = _held_tail(buf, [THINK_END])
+        self._held = buf[len(buf) - keep:]
+        return buf[: len(buf) - keep], ""
+
+    def flush(self) -> tuple[str, str]:
+        out, self._held = self._held, ""
+        return (out, "") if self.in_reasoning else ("", out)
+
+
+@dataclasses.dataclass
+class ToolCall:
+    id: str
+    name: str
+    arguments: str = ""
+
+    def to_openai(self) -> dict[str, Any]:
+        fn = {"name": self.name, "arguments": self.arguments}
+        return {"id": self.id, "type": "function", "function": fn}
+
+
+@dataclasses.dataclass
+class ToolCallDelta:
+    """A streamed piece of call `index`: the first delta of a call carries id and name."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+    def to_openai(self) -> dict[str, Any]:
+        fn: dict[str, Any] = {"arguments": self.arguments}
+        out: dict[str, Any] = {"index": self.index}
+        if self.id is not None:
+            out.update(id=self.id, type="function")
+            fn = {"name": self.name, **fn}
+        out["function"] = fn
+        return out
+
+
+def new_call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+class ToolCallParser:
+    """Parses the V3.1 tool-call block out of content text: content before it stays content, each call
+    becomes a `ToolCall` (name when its `<｜tool▁sep｜>` arrives, arguments streamed as they come).
+
+    Whitespace between calls is dropped; text after `<｜tool▁calls▁end｜>` is content again. A call cut off
+    before its name is complete (length limit) is dropped; one cut inside its arguments keeps them as is.
+    """
+
+    def __init__(self) -> None:
+        self.state = "text"  # text | between | name | args | after
+        self.calls: list[ToolCall] = []
+        self._held = ""
+        self._name = ""
+
+    def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
+        buf, self._held = self._held + text, ""
+        content: list[str] = []
+        deltas: list[ToolCallDelta] = []
+        while buf:
+            if self.state in ("text", "after"):
+                i = buf.find(CALLS_BEGIN) if self.state == "text" else -1
+                if i >= 0:
+                    content.append(buf[:i])
+                    buf, self.state = buf[i + len(CALLS_BEGIN):], "between"
+                    continue
+                keep = _held_tail(buf, [CALLS_BEGIN]) if self.state == "text" else 0
+                content.append(buf[: len(buf) - keep])
+                self._held, buf = buf[len(buf) - keep:], ""
+            elif self.state == "between":
+                s = buf.lstrip()
+                if s.startswith(CALL_BEGIN):
+                    buf, self.state, self._name = s[len(CALL_BEGIN):], "name", ""
+                elif s.startswith(CALLS_END):
+                    buf, self.state = s[len(CALLS_END):], "after"
+                elif not s or CALL_BEGIN.startswith(s) or CALLS_END.startswith(s):
+                    self._held, buf = s, ""
+                else:  # not a call: the block is malformed; what follows is content
+                    self.state = "after"
+                    buf = s
+            elif self.state == "name":
+                i = buf.find(CALL_SEP)
+                if i >= 0:
+                    call = ToolCall(new_call_id(), (self._name + buf[:i]).strip())
+                    self.calls.append(call)
+                    deltas.append(ToolCallDelta(len(self.calls) - 1, call.id, call.name))
+                    buf, self.state = buf[i + len(CALL_SEP):], "args"
+                    continue
+                keep = _held_tail(buf, [CALL_SEP])
+                self._name += buf[: len(buf) - keep]
+                self._held, buf = buf[len(buf) - keep:], ""
+            else:  # args
+                i = buf.find(CALL_END)
+                piece = buf[:i] if i >= 0 else buf[: len(buf) - _held_tail(buf, [CALL_END])]
+                self._args(piece, deltas)
+                if i >= 0:
+                    buf, self.state = buf[i + len(CALL_END):], "between"
+                else:
+                    self._held, buf = buf[len(piece):], ""
+        return "".join(content), _merge(deltas)
+
+    def _args(self, piece: str, deltas: list[ToolCallDelta]) -> None:
+        if not piece:
+            return
+        self.calls[-1].arguments += piece
+        deltas.append(ToolCallDelta(len(self.calls) - 1, arguments=piece))
+
+    def flush(self) -> tuple[str, list[ToolCallDelta]]:
+        held, self._held = self._held, ""
+        deltas: list[ToolCallDelta] = []
+        if self.state in ("text", "after"):
+            return held, deltas
+        if self.state == "args":
+            self._args(held, deltas)
+        return "", deltas
+
+
+def _merge(deltas: list[ToolCallDelta]) -> list[ToolCallDelta]:
+    """One delta per call index within one feed (name delta first, arguments concatenated)."""
+    out: list[ToolCallDelta] = []
+    for d in deltas:
+        if out and out[-1].index == d.index:
+            out[-1].arguments += d.arguments
+        else:
+            out.append(dataclasses.replace(d))
+    return out
+
+
+@dataclasses.dataclass
+class OutputDelta:
+    """What one piece of model text adds to a chat choice."""
+
+    reasoning: str = ""
+    content: str = ""
+    tool_calls: list[ToolCallDelta] = dataclasses.field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.reasoning or self.content or self.tool_calls)
+
+
+class ChatOutputParser:
+    """Stop strings -> reasoning split -> tool calls (content only), for one chat choice.
+
+    `feed` each detokenized piece, then `flush` at the end; the deltas add up to `reasoning`, `content`
+    and `tool_calls`. `stopped` turns true when a stop string was hit (the caller cancels the request).
+    """
+
+    def __init__(self, *, thinking: bool, tools: bool, stop: Sequence[str] = ()):
+        self.stop = StopMatcher(stop)
+        self.reasoning_parser = ReasoningParser(thinking)
+        self.tool_parser = ToolCallParser() if tools else None
+        self.reasoning = ""
+        self.content = ""
+
+    @property
+    def stopped(self) -> bool:
+        return self.stop.stopped
+
+    @property
+    def tool_calls(self) -> list[ToolCall]:
+        return self.tool_parser.calls if self.tool_parser else []
+
+    def feed(self, piece: str) -> OutputDelta:
+        return self._text(self.stop.feed(piece), final=False)
+
+    def flush(self) -> OutputDelta:
+        return self._text(self.stop.flush(), final=True)
+
+    def _text(self, text: str, final: bool) -> OutputDelta:
+        reasoning, content = self.reasoning_parser.feed(text)
+        if final:
+            r2, c2 = self.reasoning_parser.flush()
+            reasoning, content = reasoning + r2, content + c2
+        calls: list[ToolCallDelta] = []
+        if self.tool_parser is not None:
+            content, calls = self.tool_parser.feed(content)
+            if final:
+                c2, calls2 = self.tool_parser.flush()
+                content, calls = content + c2, _merge(calls + calls2)
+        self.reasoning += reasoning
+        self.content += content
+        return OutputDelta(reasoning, content, calls)
+
+
+def tool_description(tools: Sequence[Mapping[str, Any]]) -> str:
+    """The `## Tools` system-prompt block of the DeepSeek-V3.1 model card for OpenAI-style `tools`."""
+    lines = ["## Tools", "You have access to the following tools:", ""]
+    for tool in tools:
+        fn = tool["function"]
+        params = json.dumps(fn.get("parameters") or {}, ensure_ascii=False)
+        lines += [f"### {fn['name']}", f"Description: {fn.get('description') or ''}", "",
+                  f"Parameters: {params}", ""]
+    lines += [
+        "IMPORTANT: ALWAYS adhere to this exact format for tool use:",
+        f"{CALLS_BEGIN}{CALL_BEGIN}tool_call_name{CALL_SEP}tool_call_arguments{CALL_END}"
+        f"{{additional_tool_calls}}{CALLS_END}",
+        "",
+        "Where:",
+        "- `tool_call_name` must be an exact match to one of the available tools",
+        "- `tool_call_arguments` must be valid JSON that strictly follows the tool's Parameters Schema",
+        "- For multiple tool calls, chain them directly without separators or spaces",
+    ]
+    return "\n".join(lines)

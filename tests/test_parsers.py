@@ -1,0 +1,134 @@
+"""Output parsers of the server (dsv3_jax/serve/parsers.py) on hand-written text streams.
+
+Every case is fed whole, character by character, and split at every single position and at random
+multi-way cuts: the streamed deltas must add up to the expected reasoning / content / tool calls.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from dsv3_jax.serve.parsers import (
+    CALL_BEGIN,
+    CALL_END,
+    CALL_SEP,
+    CALLS_BEGIN,
+    CALLS_END,
+    ChatOutputParser,
+    StopMatcher,
+    tool_description,
+)
+
+
+def _splits(text: str) -> list[list[str]]:
+    """The text whole, one character at a time, cut once at every position, and 20 random cuttings."""
+    out = [[text], list(text)]
+    out += [[text[:i], text[i:]] for i in range(1, len(text))]
+    rng = random.Random(len(text))
+    for _ in range(20):
+        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 8))))
+        out.append([text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])])
+    return out
+
+
+def _run(pieces, **kw):
+    p = ChatOutputParser(**kw)
+    reasoning, content, calls = "", "", {}
+    for d in [p.feed(x) for x in pieces] + [p.flush()]:
+        reasoning += d.reasoning
+        content += d.content
+        for c in d.tool_calls:
+            if c.id is not None:
+                assert c.index not in calls, "a call's name was announced twice"
+                calls[c.index] = {"id": c.id, "name": c.name, "arguments": ""}
+            calls[c.index]["arguments"] += c.arguments
+    # The streamed deltas and the parser's own totals agree.
+    assert (reasoning, content) == (p.reasoning, p.content)
+    streamed = [(c["name"], c["arguments"]) for c in calls.values()]
+    assert streamed == [(c.name, c.arguments) for c in p.tool_calls]
+    return reasoning, content, streamed, p.stopped
+
+
+def _check_all_splits(text, expected, **kw):
+    for pieces in _splits(text):
+        assert _run(pieces, **kw) == expected, pieces
+
+
+def test_reasoning_split_thinking_on():
+    text = "Let me think <b>about</b> it.</think>The answer is 4."
+    _check_all_splits(text, ("Let me think <b>about</b> it.", "The answer is 4.", [], False),
+                      thinking=True, tools=False)
+
+
+def test_reasoning_leading_think_tag_dropped_and_unfinished_reasoning():
+    _check_all_splits("<think>hmm</think>ok", ("hmm", "ok", [], False), thinking=True, tools=False)
+    # Cut off before </think> (length limit): everything is reasoning, a partial tag included.
+    _check_all_splits("still thinking </thi", ("still thinking </thi", "", [], False), thinking=True,
+                      tools=False)
+
+
+def test_thinking_off_is_all_content():
+    text = "plain </think> text <think>"
+    _check_all_splits(text, ("", text, [], False), thinking=False, tools=False)
+
+
+def test_single_tool_call():
+    args = '{"location": "Paris, FR", "unit": "°C"}'
+    text = f"Checking.{CALLS_BEGIN}{CALL_BEGIN}get_weather{CALL_SEP}{args}{CALL_END}{CALLS_END}"
+    _check_all_splits(text, ("", "Checking.", [("get_weather", args)], False), thinking=False, tools=True)
+
+
+def test_several_tool_calls_with_reasoning_first():
+    a1, a2 = '{"q": "jax <pallas>"}', '{"a": [1, 2, {"b": "}"}]}'
+    text = (f"need tools</think>{CALLS_BEGIN}{CALL_BEGIN}search{CALL_SEP}{a1}{CALL_END}"
+            f"{CALL_BEGIN}calc{CALL_SEP}{a2}{CALL_END}{CALLS_END}")
+    _check_all_splits(text, ("need tools", "", [("search", a1), ("calc", a2)], False), thinking=True,
+                      tools=True)
+
+
+def test_tool_block_cut_off_keeps_complete_name_and_partial_arguments():
+    text = f"{CALLS_BEGIN}{CALL_BEGIN}f{CALL_SEP}{{\"x\": 1"
+    _check_all_splits(text, ("", "", [("f", '{"x": 1')], False), thinking=False, tools=True)
+    text = f"hi{CALLS_BEGIN}{CALL_BEGIN}get_wea"
+    _check_all_splits(text, ("", "hi", [], False), thinking=False, tools=True)
+
+
+def test_tools_off_leaves_markers_in_content():
+    text = f"{CALLS_BEGIN}{CALL_BEGIN}f{CALL_SEP}{{}}{CALL_END}{CALLS_END}"
+    _check_all_splits(text, ("", text, [], False), thinking=False, tools=False)
+
+
+def test_text_after_tool_block_and_lookalike_prefixes_are_content():
+    # '<｜tool' starts like a marker but is not one: it must come out as content, unchanged.
+    text = f"a <｜tool x {CALLS_BEGIN}{CALL_BEGIN}g{CALL_SEP}{{}}{CALL_END}{CALLS_END} done"
+    _check_all_splits(text, ("", "a <｜tool x  done", [("g", "{}")], False), thinking=False, tools=True)
+
+
+def test_stop_strings_cut_and_hold_back():
+    text = "one two STOP three"
+    _check_all_splits(text, ("", "one two ", [], True), thinking=False, tools=False, stop=["STOP", "xyz"])
+    # A prefix of a stop string that never completes is released at the end.
+    _check_all_splits("ends with ST", ("", "ends with ST", [], False), thinking=False, tools=False,
+                      stop=["STOP"])
+    m = StopMatcher(["ab", "b"])
+    assert m.feed("xa") == "x" and m.feed("b") == "" and m.stopped  # earliest stop wins: "ab" at 1
+
+
+def test_stop_string_inside_reasoning():
+    _check_all_splits("think END more</think>x", ("think ", "", [], True), thinking=True, tools=False,
+                      stop=["END"])
+
+
+@pytest.mark.parametrize("desc", [None, "Look up the weather"])
+def test_tool_description_block(desc):
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": desc,
+                                               "parameters": {"type": "object", "properties": {}}}}]
+    block = tool_description(tools)
+    assert block.startswith("## Tools\nYou have access to the following tools:\n\n### get_weather\n")
+    params = json.dumps(tools[0]["function"]["parameters"])
+    assert f"Description: {desc or ''}\n\nParameters: {params}" in block
+    assert f"{CALLS_BEGIN}{CALL_BEGIN}tool_call_name{CALL_SEP}tool_call_arguments{CALL_END}" in block
+    assert block.endswith("chain them directly without separators or spaces")
