@@ -28,6 +28,7 @@ import logging
 import os
 import time
 import weakref
+from collections import deque
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -85,6 +86,9 @@ class EngineConfig:
     pipeline: bool = True  # dispatch step k+1 before reading step k (off: one step at a time)
     token_buckets: tuple[int, ...] = ()  # flat-token buckets (default: powers of two)
     row_buckets: tuple[int, ...] = ()  # sequence-count buckets (default: 1, 4, 16, 64, ...)
+    # XLA options for compiling the step, e.g. {"xla_gpu_enable_command_buffer": "FUSION,...,WHILE"}
+    # (benchmarks/engine_bench.py measures such choices on the GPU).
+    compiler_options: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.token_budget is not None:
@@ -178,8 +182,13 @@ class Engine:
         self._compile_s = 0.0
         leaves, tree = jax.tree.flatten((self.cache, self.state))
         self._sig = (str(tree), tuple((x.shape, str(x.dtype)) for x in leaves), id(handle.mesh))
-        self.stats: dict[str, Any] = {"steps": 0, "batch_sizes": [], "tokens": [], "padded_tokens": [],
-                                      "page_usage": [], "preemptions": 0, "compiles": 0, "compile_s": 0.0}
+        # Counters, plus the most recent per-step records (bounded: a server runs for days).
+        recent = 1 << 16
+        self.stats: dict[str, Any] = {"steps": 0, "batch_sizes": deque(maxlen=recent),
+                                      "tokens": deque(maxlen=recent), "padded_tokens": deque(maxlen=recent),
+                                      "sum_rows": 0, "sum_tokens": 0, "sum_padded": 0, "peak_page_usage": 0.0,
+                                      "preemptions": 0, "compiles": 0, "compile_s": 0.0,
+                                      "spec_proposed": 0, "spec_accepted": 0}
 
     # ------------------------------------------------------------------ queues (scheduler's)
     @property
@@ -266,11 +275,14 @@ class Engine:
             r.computed += row.n
             r.pending += row.final
         outs = self._execute(batch)
-        self.stats["steps"] += 1
-        self.stats["batch_sizes"].append(len(plan))
-        self.stats["tokens"].append(batch.n_scheduled)
-        self.stats["padded_tokens"].append(batch.key.tokens)
-        self.stats["page_usage"].append(self.pool.num_used / (self.pool.num_pages - 1))
+        st = self.stats
+        st["steps"] += 1
+        for name, total, v in (("batch_sizes", "sum_rows", len(plan)),
+                               ("tokens", "sum_tokens", batch.n_scheduled),
+                               ("padded_tokens", "sum_padded", batch.key.tokens)):
+            st[name].append(v)
+            st[total] += v
+        st["peak_page_usage"] = max(st["peak_page_usage"], self.pool.num_used / (self.pool.num_pages - 1))
         prev, self._inflight = self._inflight, (batch, plan, outs)
         if prev is not None:
             events += self._commit(prev)
@@ -304,7 +316,8 @@ class Engine:
 
     def _compiled(self, key: step.StepKey):
         store = _compiled_for(self.handle)
-        ck = (key, self._sig, kernels.backend(), moe._forced_dispatch.get())
+        opts = dict(self.cfg.compiler_options or {})
+        ck = (key, self._sig, kernels.backend(), moe._forced_dispatch.get(), tuple(sorted(opts.items())))
         if ck not in store:
             t0 = time.perf_counter()
             ints = jax.ShapeDtypeStruct((sum(int(np.prod(s)) for _, s in step.int_fields(key)),), jnp.int32)
@@ -316,7 +329,8 @@ class Engine:
                 floats = jax.ShapeDtypeStruct(floats.shape, floats.dtype, sharding=rep)
             fn = jax.jit(step.make_step(self.handle.model, key), donate_argnums=(1, 2))
             with self.handle.mesh_context():
-                store[ck] = fn.lower(self.handle.params, self.cache, self.state, ints, floats).compile()
+                lowered = fn.lower(self.handle.params, self.cache, self.state, ints, floats)
+                store[ck] = lowered.compile(compiler_options=opts) if opts else lowered.compile()
             dt = time.perf_counter() - t0
             self._compile_s += dt
             self.stats["compiles"] += 1
@@ -324,19 +338,19 @@ class Engine:
             log.info("compiled step %s in %.1f s", key, dt)
         return store[ck]
 
-    def warmup(self, token_counts: Sequence[int] | None = None, sampled: bool = False) -> float:
-        """Compile the decode steps (1 row per token group) and single-row prefill steps ahead of
-        time; returns the seconds spent. Mixed shapes compile on first use (and persist on disk)."""
+    def warmup(self, token_counts: Sequence[int] | None = None, row_counts: Sequence[int] | None = None,
+               sampled: bool = False) -> float:
+        """Compile ahead of time the step of every (token bucket, row bucket) pair that can occur
+        (rows <= tokens / (spec_k + 1)), for the given counts (default: all buckets); returns the
+        seconds spent. Other shapes compile on first use; all persist in the compilation cache."""
         c, before = self.cfg, self._compile_s
         j = c.spec_k + 1
-        width = self._min_width
-        keys = {step.StepKey(step.bucket(s * j, c.token_buckets), s, width, c.spec_k, sampled, False)
-                for s in c.row_buckets}
-        for n in token_counts or c.token_buckets:
-            keys.add(step.StepKey(step.bucket(n, c.token_buckets), c.row_buckets[0], width, c.spec_k,
-                                  sampled, False))
-        for key in sorted(keys):
-            self._compiled(key)
+        ns = sorted({step.bucket(n, c.token_buckets) for n in (token_counts or c.token_buckets)})
+        ss = sorted({step.bucket(s, c.row_buckets) for s in (row_counts or c.row_buckets)})
+        for n in ns:
+            for s in ss:
+                if s == ss[0] or s * j <= n:
+                    self._compiled(step.StepKey(n, s, self._min_width, c.spec_k, sampled, False))
         return self._compile_s - before
 
     # ------------------------------------------------------------------ commit
@@ -364,6 +378,8 @@ class Engine:
             r.steps += 1
             r.spec_proposed += row.ndraft
             r.spec_accepted += accepted
+            self.stats["spec_proposed"] += row.ndraft
+            self.stats["spec_accepted"] += accepted
             r.computed -= row.ndraft - accepted  # roll back past the first rejected draft
             emitted, lps = [], []
             for jj, tok in enumerate(out["tokens"][i, :n_new].tolist()):
@@ -415,17 +431,14 @@ class Engine:
 
     def engine_stats(self) -> dict[str, Any]:
         """Counters over the engine's life (JSON-safe: None where undefined)."""
-        done = list(self.finished.values())
-        prop = sum(r.spec_proposed for r in done)
         s = self.stats
-        return {"steps": s["steps"],
-                "mean_batch": float(np.mean(s["batch_sizes"])) if s["batch_sizes"] else 0.0,
-                "mean_tokens": float(np.mean(s["tokens"])) if s["tokens"] else 0.0,
-                "mean_padded_tokens": float(np.mean(s["padded_tokens"])) if s["padded_tokens"] else 0.0,
-                "peak_page_usage": max(s["page_usage"], default=0.0),
+        prop = s["spec_proposed"]
+        n = max(s["steps"], 1)
+        return {"steps": s["steps"], "mean_batch": s["sum_rows"] / n, "mean_tokens": s["sum_tokens"] / n,
+                "mean_padded_tokens": s["sum_padded"] / n, "peak_page_usage": s["peak_page_usage"],
                 "prefix_hit_rate": self.pool.hits / self.pool.lookups if self.pool.lookups else 0.0,
                 "preemptions": self.sched.preemptions,
-                "mtp_acceptance": sum(r.spec_accepted for r in done) / prop if prop else None,
+                "mtp_acceptance": s["spec_accepted"] / prop if prop else None,
                 "compiles": s["compiles"], "compile_s": s["compile_s"]}
 
 

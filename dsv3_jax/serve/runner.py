@@ -211,6 +211,6 @@ class EngineRunner:
             m.batch_size.set((total - self._prev_batch_total) / (steps - self._prev_steps))
         self._prev_steps, self._prev_batch_total = steps, total
         m.prefix_hit_rate.set(float(st["prefix_hit_rate"]))
-        acc = float(st.get("mtp_acceptance", float("nan")))
-        if acc == acc:
-            m.mtp_acceptance.set(acc)
+        acc = st.get("mtp_acceptance")  # None (JSON null) until a draft was verified
+        if acc is not None and acc == acc:
+            m.mtp_acceptance.set(float(acc))
