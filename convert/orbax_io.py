@@ -3,7 +3,8 @@
 Owns: the on-disk layout of `DST/params/` (the layout Orbax's PyTreeCheckpointer writes without OCDBT:
 a zarr v2 array per leaf named by its dotted tree path, plus the `_METADATA` tree description), the
 chunking rule, creating each array through tensorstore and writing its chunk files slab by slab
-(`ChunkFiles`; a stacked [L, E, out, in] leaf is never held whole), and restoring leaves onto given
+(`ChunkFiles`; a stacked [L, E, out, in] leaf is never held whole), checking a leaf's files before
+reading them (`check_leaf_files`), and restoring leaves onto given
 shardings with Orbax so that each process reads only the chunks its devices hold. Must not know HF
 names or the model's math.
 """
@@ -238,6 +239,49 @@ def write_tree_metadata(root: Path, shapes: Mapping[LeafPath, tuple[int, ...]]) 
     tmp = root / (METADATA + ".tmp")
     tmp.write_text(json.dumps(meta))
     os.replace(tmp, root / METADATA)
+
+
+class ChunkError(ValueError):
+    """A leaf's array files are missing, truncated or do not match the manifest (names leaf and file)."""
+
+
+def check_leaf_files(root: Path, name: str, shape: tuple[int, ...], dtype: str,
+                     chunks: tuple[int, ...]) -> None:
+    """Check that leaf `name`'s zarr metadata matches (shape, dtype, chunks) and that every chunk file
+    exists with the full chunk size (uncompressed zarr v2 stores edge chunks whole).
+
+    Costs one directory listing and one stat per chunk, no data: run before a restore, so a damaged
+    checkpoint is one error naming the leaf and the file instead of an error from deep inside the
+    asynchronous restore.
+    """
+    d = Path(root) / name
+    meta_file = d / ".zarray"
+    try:
+        meta = json.loads(meta_file.read_text())
+        ok = (meta["shape"] == list(shape) and meta["chunks"] == list(chunks)
+              and meta["dtype"] == _TS_DTYPES[DTYPES_BY_NAME[dtype]] and meta.get("compressor") is None)
+    except FileNotFoundError:
+        raise ChunkError(f"leaf {name}: its array metadata {meta_file} is missing") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ChunkError(f"leaf {name}: its array metadata {meta_file} is unreadable ({e!r})") from None
+    if not ok:
+        raise ChunkError(f"leaf {name}: {meta_file} says shape {meta.get('shape')} chunks "
+                         f"{meta.get('chunks')} dtype {meta.get('dtype')}, the manifest {list(shape)} "
+                         f"{list(chunks)} {dtype}")
+    want = int(np.prod(chunks, dtype=np.int64)) * DTYPES_BY_NAME[dtype].itemsize
+    grid = [range(-(-n // c)) if n else range(0) for n, c in zip(shape, chunks, strict=True)]
+    sizes: dict[str, int] = {}
+    with os.scandir(d) as it:
+        for e in it:
+            if not e.name.startswith("."):
+                sizes[e.name] = e.stat().st_size
+    for idx in itertools.product(*grid):
+        f = ".".join(map(str, idx)) if idx else "0"
+        if f not in sizes:
+            raise ChunkError(f"leaf {name}: chunk file {d / f} is missing")
+        if sizes[f] != want:
+            raise ChunkError(f"leaf {name}: chunk file {d / f} has {sizes[f]} bytes, a chunk has {want} "
+                             "(truncated or damaged)")
 
 
 def read_leaf(root: Path, path: LeafPath) -> np.ndarray:

@@ -29,8 +29,11 @@ class ValidationError(ValueError):
         shown = problems[:limit]
         more = f"\n  ... and {len(problems) - limit} more" if len(problems) > limit else ""
         n = len(problems)
-        super().__init__(f"{src}: {n} problem{'s' * (n != 1)} found, nothing was written:\n  - "
-                         + "\n  - ".join(shown) + more)
+        if n == 1:  # one line
+            super().__init__(f"{src}: {problems[0]} (nothing was written)")
+        else:
+            super().__init__(f"{src}: {n} problems found, nothing was written:\n  - " + "\n  - ".join(shown)
+                             + more)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,7 +1,9 @@
 """Chat prompts: render a tokenizer's Jinja `chat_template` exactly as transformers' `apply_chat_template`.
 
 Owns: the sandboxed Jinja environment (same options, filters and globals as transformers), message
-normalization, the thinking switch (`thinking`, alias `enable_thinking`), and encoding a rendered chat.
+normalization and checking (a role the template does not render, or non-string content, is refused
+rather than silently dropped), the thinking switch (`thinking`, alias `enable_thinking`), and encoding
+a rendered chat.
 Does not own tokenization itself (`tokenizer.py`) or generation.
 """
 
@@ -10,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import re
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
@@ -129,7 +132,35 @@ def _scalar(value: str | int | float) -> str | int | float:
     return float.__float__(value)
 
 
-def _normalize_messages(messages: Sequence[Any]) -> list[dict]:
+_ROLE_TEST = re.compile(r"""(?:\[\s*['"]role['"]\s*\]|\.role)\s*==\s*['"]([^'"]+)['"]""")
+_ROLE_PRINTED = re.compile(r"""\{\{[^}]*(?:\[\s*['"]role['"]\s*\]|\.role)""")
+
+
+@functools.lru_cache(maxsize=16)
+def template_roles(template: str) -> frozenset[str] | None:
+    """The roles a chat template renders: those it compares `message['role']` with, or None (any role)
+    when it prints the role itself or names none. A message whose role the template never tests is
+    dropped from the prompt without a word, so `render_chat` refuses it instead."""
+    if _ROLE_PRINTED.search(template):
+        return None
+    roles = frozenset(_ROLE_TEST.findall(template))
+    return roles or None
+
+
+def _check_message(i: int, message: dict, roles: frozenset[str] | None) -> None:
+    role = message["role"]
+    if roles is not None and role not in roles:
+        raise ValueError(f"messages[{i}]: role {role!r} is not one this chat template renders "
+                         f"({', '.join(sorted(roles))}); it would be silently left out of the prompt")
+    content = message.get("content")
+    if content is None and not message.get("tool_calls"):
+        raise ValueError(f"messages[{i}] ({role}) has no 'content'")
+    if content is not None and not isinstance(content, str):
+        raise ValueError(f"messages[{i}] ({role}): 'content' must be a string, got {type(content).__name__} "
+                         f"{content!r:.60}")
+
+
+def _normalize_messages(messages: Sequence[Any], roles: frozenset[str] | None = None) -> list[dict]:
     """transformers' normalization: plain dicts, None-valued keys dropped, reasoning aliases filled.
 
     One deliberate difference: an assistant message with `tool_calls` and `content=None` (the OpenAI
@@ -149,6 +180,7 @@ def _normalize_messages(messages: Sequence[Any]) -> list[dict]:
             raise ValueError(f"messages[{i}] has no string 'role': {message!r}")
         if message.get("tool_calls") and message.get("content", "") is None:
             message["content"] = ""
+        _check_message(i, message, roles)
         message = {k: v for k, v in message.items() if v is not None}
         reasoning = next((message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None)
         if reasoning is not None:
@@ -188,7 +220,7 @@ def render_chat(
             raise ValueError(f"render_chat: {name} must be a list of dicts (JSON schemas)")
     variables = {**(special_tokens or {}), **_plain(kwargs)}
     return compile_template(template).render(
-        messages=_normalize_messages(messages),
+        messages=_normalize_messages(messages, template_roles(template)),
         tools=_plain(list(tools)) if tools is not None else None,
         documents=_plain(list(documents)) if documents is not None else None,
         add_generation_prompt=add_generation_prompt,

@@ -1,13 +1,17 @@
 """Reading weights: HF safetensors directories (directly) and converted Orbax checkpoints.
 
 Owns: finding a checkpoint's files, turning them into the model's parameter tree in the requested dtype,
-and the "is this a complete checkpoint" check. Must not own the model or meshes; placement onto
-devices is given as a `shardings` tree by the caller.
+the "is this a complete checkpoint" check, and refusing a damaged one in one error naming the thing:
+the manifest's entries (typed, `params_dir` inside the checkpoint), each leaf's array files (missing or
+truncated chunks named by leaf and file before the restore starts), an HF directory's tensors
+(validated by the converter's check: names, shapes, dtypes, index entries inside the directory).
+Must not own the model or meshes; placement onto devices is given as a `shardings` tree by the caller.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +19,9 @@ import jax
 import jax.numpy as jnp
 
 from convert import hf_names
-from convert.safetensors_io import TensorInfo, read_header, read_tensor
+from convert.safetensors_io import TensorInfo, read_tensor
 from dsv3_jax.config import ModelConfig
+from dsv3_jax.paths import PathContainmentError, contained
 
 FP8 = jnp.float8_e4m3fn
 COMPLETE_MARKER = "dsv3_manifest.json"  # written last by the converter
@@ -26,26 +31,19 @@ class CheckpointError(ValueError):
     """A checkpoint directory is missing, incomplete or does not match its config."""
 
 
-def hf_tensor_index(src: str | Path) -> dict[str, TensorInfo]:
-    """All tensors of an HF directory (index.json or a single model.safetensors), headers validated."""
-    src = Path(src)
-    index = src / "model.safetensors.index.json"
-    if index.exists():
-        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-        files = sorted(set(weight_map.values()))
-    elif (src / "model.safetensors").exists():
-        weight_map, files = {}, ["model.safetensors"]
-    else:
-        raise CheckpointError(f"{src}: no model.safetensors.index.json or model.safetensors")
-    out: dict[str, TensorInfo] = {}
-    for f in files:
-        tensors, _ = read_header(src / f)
-        out.update(tensors)
-    missing = [n for n, f in weight_map.items() if n not in out]
-    if missing:
-        raise CheckpointError(f"{src}: tensors listed in the index but absent from their shard: "
-                              f"{', '.join(missing[:8])}")
-    return out
+def hf_tensor_index(src: str | Path, *, include_mtp: bool = True) -> dict[str, TensorInfo]:
+    """All tensors of an HF directory (index.json or a single model.safetensors), validated as a whole
+    against its config.json by the converter's own check (index entries inside the directory, headers,
+    names, shapes, dtypes): a problem is a CheckpointError naming the tensor and the file."""
+    from convert.validate import ValidationError, inspect_source
+
+    try:
+        return inspect_source(src, include_mtp=include_mtp).tensors
+    except ValidationError as e:
+        if len(e.problems) == 1:
+            raise CheckpointError(f"{src}: cannot load this HF directory: {e.problems[0]}") from None
+        raise CheckpointError(f"{src}: cannot load this HF directory, {len(e.problems)} problems:\n  - "
+                              + "\n  - ".join(e.problems[:20])) from None
 
 
 def cast_tree(tree: dict[str, Any], dtype: jnp.dtype) -> dict[str, Any]:
@@ -63,7 +61,7 @@ def cast_tree(tree: dict[str, Any], dtype: jnp.dtype) -> dict[str, Any]:
 def load_hf_params(src: str | Path, cfg: ModelConfig, *, dtype: jnp.dtype,
                    include_mtp: bool = True) -> dict[str, Any]:
     """Parameter tree (numpy) from an HF directory; FP8 checkpoints stay e4m3 + scales."""
-    index = hf_tensor_index(src)
+    index = hf_tensor_index(src, include_mtp=include_mtp)
     names = [n for n in index if include_mtp or hf_names.hf_target(n, cfg) is None
              or hf_names.hf_target(n, cfg).path[0] != "mtp"]
     from tqdm.auto import tqdm  # a widget in notebooks, a bar on terminals
@@ -104,13 +102,8 @@ def load_converted(path: str | Path, cfg: ModelConfig, *, dtype: jnp.dtype,
     if not marker.exists():
         raise CheckpointError(f"{path}: no {COMPLETE_MARKER}: not a complete converted checkpoint (an "
                               "interrupted conversion never has one; rerun the converter with --resume)")
-    try:
-        manifest = json.loads(marker.read_text())
-        leaves = {tuple(name.split(".")): (tuple(shape), dt) for name, (shape, dt, _) in
-                  manifest["leaves"].items()}
-        root = path / manifest["params_dir"]
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-        raise CheckpointError(f"{marker}: unreadable manifest ({e!r})") from e
+    manifest, root = read_manifest(path)
+    leaves = {tuple(name.split(".")): (tuple(shape), dt) for name, (shape, dt, _) in manifest.items()}
     if not cfg.num_nextn_predict_layers:
         leaves = {p: v for p, v in leaves.items() if p[0] != "mtp"}
     elif not any(p[0] == "mtp" for p in leaves):
@@ -130,7 +123,50 @@ def load_converted(path: str | Path, cfg: ModelConfig, *, dtype: jnp.dtype,
 
     want = {p: (shape, jnp.dtype(dt) if _keeps_dtype(p, dt) else jnp.dtype(dtype))
             for p, (shape, dt) in leaves.items()}
-    return orbax_io.restore(root, want, {p: sharding_of(p) for p in want})
+    for p in want:  # metadata only: a missing or cut chunk is named here, not deep inside the restore
+        shape, dt, chunks = manifest[".".join(p)]
+        try:
+            orbax_io.check_leaf_files(root, ".".join(p), tuple(shape), dt, tuple(chunks))
+        except orbax_io.ChunkError as e:
+            raise CheckpointError(f"{path}: {e}") from None
+    try:
+        return orbax_io.restore(root, want, {p: sharding_of(p) for p in want})
+    except (ValueError, OSError, RuntimeError) as e:
+        raise CheckpointError(f"{path}: restoring the parameters failed: {str(e).splitlines()[0]}") from e
+
+
+_LEAF_NAME = re.compile(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*")
+
+
+def read_manifest(path: Path) -> tuple[dict[str, tuple[list[int], str, list[int]]], Path]:
+    """({leaf name: (shape, dtype, chunks)}, params directory) of a converted checkpoint, every entry
+    type-checked and the params directory contained in `path` (CheckpointError naming the entry)."""
+    from convert import orbax_io
+
+    marker = path / COMPLETE_MARKER
+    try:
+        m = json.loads(marker.read_text(encoding="utf-8"))
+        leaves, params_dir = m["leaves"], m["params_dir"]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{marker}: unreadable manifest ({type(e).__name__}: {e})") from None
+    try:
+        root = contained(path, params_dir, f"{marker}: params_dir")
+    except PathContainmentError as e:
+        raise CheckpointError(str(e)) from None
+    if not isinstance(leaves, dict) or not leaves:
+        raise CheckpointError(f"{marker}: 'leaves' must be a non-empty object")
+
+    def dims(x: object) -> bool:
+        return isinstance(x, list) and all(type(i) is int and i >= 0 for i in x)
+
+    for name, entry in leaves.items():
+        if not _LEAF_NAME.fullmatch(name):
+            raise CheckpointError(f"{marker}: leaf name {name!r} is not a dotted parameter path")
+        if (not isinstance(entry, list) or len(entry) != 3 or not dims(entry[0]) or not dims(entry[2])
+                or len(entry[0]) != len(entry[2]) or entry[1] not in orbax_io.DTYPES_BY_NAME):
+            raise CheckpointError(f"{marker}: leaf {name}: malformed entry {entry!r} (want [shape, dtype, "
+                                  "chunks])")
+    return leaves, root
 
 
 def load_params(path: str | Path, cfg: ModelConfig, *, dtype: jnp.dtype,

@@ -1,7 +1,8 @@
 """Model configuration: every knob of DeepSeek-V3, read from HF `config.json` or a named preset.
 
 Owns: the frozen `ModelConfig` dataclass, its validation (every field type- and range-checked, errors
-name the field and the value), reading a JSON object file (`read_json_object`), presets, and the
+name the field and the value), `generation_config.json`'s sampling fields (`read_generation_config`),
+reading a JSON object file (`read_json_object`), presets, and the
 derived sizes (parameter counts, weight bytes, KV-cache bytes per token). Must not touch arrays.
 """
 
@@ -233,7 +234,7 @@ class ModelConfig:
             wbs = q.weight_block_size
             need(isinstance(wbs, tuple | list) and tuple(wbs) == (128, 128)
                  and not any(isinstance(x, bool) for x in wbs), "quantization_config.weight_block_size",
-                 f"only [128, 128] is supported, got {wbs!r}")
+                 f"only [128, 128] is supported, got {list(wbs) if isinstance(wbs, tuple) else wbs!r}")
             need(q.activation_scheme == "dynamic", "quantization_config.activation_scheme",
                  f"only 'dynamic' is supported, got {q.activation_scheme!r}")
             need(q.scale_fmt in (None, "ue8m0"), "quantization_config.scale_fmt",
@@ -359,6 +360,55 @@ def _check_float(v: Any, field: str, *, positive: bool) -> None:
     if not ok or (positive and v <= 0):
         want = "a finite number > 0" if positive else "a finite number"
         raise ConfigError(f"config field `{field}`: must be {want}, got {v!r}")
+
+
+def read_generation_config(path: str | Path) -> dict[str, Any]:
+    """Sampling defaults from a `generation_config.json` file, every field typed and range-checked.
+
+    Returns the keys present among temperature, top_p, top_k, with `do_sample: false` mapped to
+    temperature 0 (greedy), plus `eos_token_ids` (a list) when the file names an eos_token_id.
+    ConfigError names the field and the value.
+    """
+    d = read_json_object(path, "generation_config.json")
+
+    def bad(field: str, want: str) -> ConfigError:
+        return ConfigError(f"generation_config.json field `{field}`: must be {want}, got {d[field]!r}")
+
+    def number(field: str) -> float | None:
+        v = d.get(field)
+        if v is None:
+            return None
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+            raise bad(field, "a finite number")
+        return float(v)
+
+    out: dict[str, Any] = {}
+    t, p = number("temperature"), number("top_p")
+    if t is not None:
+        if t < 0:
+            raise bad("temperature", "a finite number >= 0")
+        out["temperature"] = t
+    if p is not None:
+        if not 0 < p <= 1:
+            raise bad("top_p", "a number in (0, 1]")
+        out["top_p"] = p
+    k = d.get("top_k")
+    if k is not None:
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 2**31 - 1:
+            raise bad("top_k", "an integer in [0, 2**31 - 1]")
+        out["top_k"] = k
+    ds = d.get("do_sample")
+    if ds is not None and not isinstance(ds, bool):
+        raise bad("do_sample", "true or false")
+    if ds is False:
+        out["temperature"] = 0.0
+    eos = d.get("eos_token_id")
+    if eos is not None:
+        ids = eos if isinstance(eos, list) else [eos]
+        if not ids or not all(isinstance(e, int) and not isinstance(e, bool) and e >= 0 for e in ids):
+            raise bad("eos_token_id", "a token id or a non-empty list of them")
+        out["eos_token_ids"] = list(ids)
+    return out
 
 
 def read_json_object(path: str | Path, what: str) -> dict[str, Any]:

@@ -1,8 +1,10 @@
 """`python -m dsv3_jax.generate`: generation and chat from the command line.
 
-Owns: flag parsing, reading prompts (--prompt, --input-file with lines or JSONL, --interactive REPL),
-streaming to the terminal, --json output, and turning bad input into one clear message with a
-non-zero exit (no traceback). Must not implement decoding (decode.py) or loading (api.py).
+Owns: flag parsing and checking every flag before loading (--dtype spellings and --mesh via cli.py,
+sampling values and the seed range), reading prompts (--prompt, --input-file: UTF-8 with or without
+BOM, lines or JSONL, --interactive REPL), streaming to the terminal, --json output, and turning bad
+input into one line on stderr with a non-zero exit (no traceback). Must not implement decoding
+(decode.py) or loading (api.py).
 """
 
 from __future__ import annotations
@@ -14,10 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dsv3_jax.config import ConfigError
-from dsv3_jax.decode import GenerationError
-
-EXIT_BAD_INPUT = 2
+from dsv3_jax.cli import EXIT_BAD_INPUT  # noqa: F401 - re-exported for callers
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -39,7 +38,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--mesh", help="e.g. data=1,tensor=8,expert=1")
     p.add_argument("--attention", choices=["absorbed", "naive"], default="absorbed")
-    p.add_argument("--dtype", help="override the checkpoint dtype (e.g. float32, bfloat16)")
+    p.add_argument("--dtype", help="compute dtype: bf16 (bfloat16), fp16 or fp32 (float32); default: the "
+                                   "checkpoint's. FP8 weights stay FP8")
     p.add_argument("--mtp", type=int, default=0, metavar="K",
                    help="speculative decoding with K MTP draft tokens per step (0 = off, up to 3)")
     p.add_argument("--stats", action="store_true", help="print per-request and engine metrics")
@@ -56,7 +56,34 @@ def _load(args: argparse.Namespace):
         return api.tiny_default(attention=args.attention)
     if not args.ckpt.exists():
         raise FileNotFoundError(f"checkpoint not found: {args.ckpt}")
+    if not args.ckpt.is_dir():
+        raise ValueError(f"--ckpt {args.ckpt} is not a directory")
     return api.load(args.ckpt, mesh=args.mesh, attention=args.attention, dtype=args.dtype)
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    """Every flag checked before anything is loaded; normalizes --dtype and --mesh in place."""
+    from dsv3_jax import sharding
+    from dsv3_jax.cli import NUMPY_NAMES, check_mesh, parse_dtype
+    from dsv3_jax.sampling import validate_sampling_params
+
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    validate_sampling_params(1.0 if args.temperature is None else args.temperature,
+                             1.0 if args.top_p is None else args.top_p,
+                             0 if args.top_k is None else args.top_k, seed=args.seed)
+    if not 0 <= args.mtp <= 3:
+        raise ValueError(f"--mtp must be in 0..3, got {args.mtp}")
+    if args.dtype is not None:
+        canon = parse_dtype(args.dtype, ("bf16", "fp16", "fp32"),
+                            why="FP8 is a weight format chosen at conversion (python -m convert --dtype "
+                                "fp8); an FP8 checkpoint stays FP8 whatever the compute dtype")
+        args.dtype = NUMPY_NAMES[canon]
+    if args.mesh is not None:
+        args.mesh = check_mesh(args.mesh)
+        sharding.parse_mesh_spec(args.mesh)  # names the bad axis or size now, not after loading
+    if any(not s for s in args.stop):
+        raise ValueError("--stop: an empty stop string would stop before the first token")
 
 
 def _read_inputs(args: argparse.Namespace) -> list[Any]:
@@ -64,27 +91,43 @@ def _read_inputs(args: argparse.Namespace) -> list[Any]:
         return [args.prompt]
     if args.input_file is None:
         raise ValueError("give --prompt, --input-file or --interactive")
-    if not args.input_file.exists():
-        raise FileNotFoundError(f"input file not found: {args.input_file}")
+    return read_input_file(args.input_file)
+
+
+def read_input_file(path: Path) -> list[Any]:
+    """Prompts from a UTF-8 file (a BOM is skipped): one per line, or JSON lines with a string 'prompt'
+    or a list of 'messages'. Every problem names the file and line."""
+    if not path.exists():
+        raise FileNotFoundError(f"input file not found: {path}")
+    if path.is_dir():
+        raise ValueError(f"--input-file {path} is a directory, not a file")
+    try:
+        text = path.read_bytes().decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason}); save it as UTF-8") from None
     items: list[Any] = []
-    for n, line in enumerate(args.input_file.read_text(encoding="utf-8").splitlines(), 1):
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         if line.lstrip().startswith("{"):
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{args.input_file}:{n}: invalid JSON ({e.msg})") from e
+                raise ValueError(f"{path}:{n}: invalid JSON ({e.msg})") from e
             if "messages" in obj:
+                if not isinstance(obj["messages"], list) or not obj["messages"]:
+                    raise ValueError(f"{path}:{n}: 'messages' must be a non-empty list of messages")
                 items.append(obj["messages"])
             elif "prompt" in obj:
+                if not isinstance(obj["prompt"], str):
+                    raise ValueError(f"{path}:{n}: 'prompt' must be a string, got {obj['prompt']!r:.60}")
                 items.append(obj["prompt"])
             else:
-                raise ValueError(f"{args.input_file}:{n}: a JSON line needs 'prompt' or 'messages'")
+                raise ValueError(f"{path}:{n}: a JSON line needs 'prompt' or 'messages'")
         else:
             items.append(line)
     if not items:
-        raise ValueError(f"{args.input_file}: no prompts")
+        raise ValueError(f"{path}: no prompts")
     return items
 
 
@@ -163,17 +206,19 @@ def _run_interactive(handle, args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import jinja2
+
+    from dsv3_jax.cli import report_error
+    from dsv3_jax.decode import GenerationError
+
     args = _parser().parse_args(argv)
     try:
-        if args.max_new_tokens < 1:
-            raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-        from dsv3_jax.sampling import validate_sampling_params
+        _check_flags(args)
+        if args.input_file is not None:
+            n = len(_read_inputs(args))  # read (and refused) before the model is loaded
+            from dsv3_jax.sampling import validate_sampling_params
 
-        validate_sampling_params(1.0 if args.temperature is None else args.temperature,
-                                 1.0 if args.top_p is None else args.top_p,
-                                 0 if args.top_k is None else args.top_k)  # fail before loading
-        if not 0 <= args.mtp <= 3:
-            raise ValueError(f"--mtp must be in 0..3, got {args.mtp}")
+            validate_sampling_params(1.0, 1.0, 0, seed=args.seed + n - 1)  # prompt i samples with seed + i
         handle = _load(args)
         from dsv3_jax.engine import enable_compilation_cache
 
@@ -186,11 +231,10 @@ def main(argv: list[str] | None = None) -> int:
             _run_interactive(handle, args)
         else:
             _run_batch(handle, args)
-    except (ValueError, FileNotFoundError, ConfigError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except GenerationError as e:  # the engine stopped a request (e.g. non-finite logits)
-        print(f"error: {e}", file=sys.stderr)
+    except (ValueError, OSError, jinja2.TemplateError) as e:  # ConfigError, CheckpointError, PlanError...
+        return report_error("generate", e)
+    except GenerationError as e:  # the engine stopped a request (e.g. non-finite logits): one line, exit 1
+        report_error("generate", e)
         return 1
     except KeyboardInterrupt:
         return 130

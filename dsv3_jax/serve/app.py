@@ -517,7 +517,7 @@ async def _chat_stream(ctx: _Ctx, choices: list[_Choice]) -> AsyncIterator[dict[
         if d.tool_calls:
             delta["tool_calls"] = [t.to_openai() for t in d.tool_calls]
         done = c.finish_reason is not None
-        if delta or lps:
+        if delta or lps or (ctx.req.return_token_ids and len(c.token_ids) > sent[i]):
             ch = {"index": i, "delta": delta, "finish_reason": None,
                   "logprobs": {"content": P.chat_logprob_entries(lps)} if lps else None}
             if ctx.req.return_token_ids:
@@ -534,14 +534,19 @@ async def _chat_stream(ctx: _Ctx, choices: list[_Choice]) -> AsyncIterator[dict[
 async def _completion_stream(ctx: _Ctx, choices: list[_Choice]) -> AsyncIterator[dict[str, Any]]:
     obj = "text_completion"
     offsets = [len(c.text) for c in choices]
+    sent = [0] * len(choices)
     for i, c in enumerate(choices):
         if c.text:  # echo: the prompt text first
             yield _chunk(ctx, obj, [{"index": i, "text": c.text, "logprobs": None, "finish_reason": None}])
     async for i, text, lps in _events(ctx, choices):
         c = choices[i]
-        if text or lps:
-            yield _chunk(ctx, obj, [{"index": i, "text": text, "finish_reason": None,
-                                     "logprobs": P.completion_logprobs(lps, offsets[i]) if lps else None}])
+        if text or lps or (ctx.req.return_token_ids and len(c.token_ids) > sent[i]):
+            ch = {"index": i, "text": text, "finish_reason": None,
+                  "logprobs": P.completion_logprobs(lps, offsets[i]) if lps else None}
+            if ctx.req.return_token_ids:
+                ch["token_ids"] = c.token_ids[sent[i]:]
+                sent[i] = len(c.token_ids)
+            yield _chunk(ctx, obj, [ch])
             offsets[i] += len(text)
         if c.finish_reason is not None and c.finish_reason not in ("error", "rejected"):
             yield _chunk(ctx, obj, [{"index": i, "text": "", "logprobs": None,

@@ -211,6 +211,6 @@ class EngineRunner:
             m.batch_size.set((total - self._prev_batch_total) / (steps - self._prev_steps))
         self._prev_steps, self._prev_batch_total = steps, total
         m.prefix_hit_rate.set(float(st["prefix_hit_rate"]))
-        acc = st.get("mtp_acceptance")  # None (JSON null) until a draft was verified
-        if acc is not None and acc == acc:
+        acc = st.get("mtp_acceptance")
+        if acc is not None and acc == acc:  # None / NaN: nothing proposed yet
             m.mtp_acceptance.set(float(acc))

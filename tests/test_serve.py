@@ -1,0 +1,272 @@
+"""The real server (`python -m dsv3_jax.serve`, embedded default model) as a subprocess on a free loopback
+port, driven by the official `openai` client: outputs equal `handle.generate`, streaming, reasoning split,
+prefix cache across requests, 64 concurrent streams, client disconnect, 400s, /metrics.
+
+Every wait is bounded (client timeouts, deadlines) so a broken server fails the test instead of hanging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from dsv3_jax import api
+from dsv3_jax.chat import encode_chat
+
+MODEL = "dsv3-default"
+STARTUP_S = 300  # load + compile on a busy 2-core box
+MAX_BATCH = 16
+THINK_START, THINK_END = 128798, 128799  # ids of "<think>" and "</think>" in the V3.1 tokenizer
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server_proc(tmp_path_factory):
+    """The server process, started first so it loads while this process builds its reference handle."""
+    port = _free_port()
+    log = tmp_path_factory.mktemp("serve") / "server.log"
+    cmd = [sys.executable, "-m", "dsv3_jax.serve", "--port", str(port), "--max-batch", str(MAX_BATCH),
+           "--num-pages", "160", "--chunk-size", "64", "--max-batched-tokens", "256", "--max-pending", "100",
+           "--no-warmup", "--log-level", "warning"]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                cwd=Path(__file__).resolve().parents[1])
+    try:
+        yield proc, f"http://127.0.0.1:{port}", log
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=20)
+
+
+@pytest.fixture(scope="module")
+def handle(server_proc):
+    return api.tiny_default()
+
+
+@pytest.fixture(scope="module")
+def server(server_proc, handle):
+    proc, base, log = server_proc
+    deadline = time.monotonic() + STARTUP_S
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"server not up after {STARTUP_S} s:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                return base
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _health(server: str) -> dict:
+    return httpx.get(server + "/health", timeout=10).json()
+
+
+def _wait_idle(server: str, timeout: float = 60) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        h = _health(server)
+        if h["pending"] == 0 and h["running"] == 0 and h["waiting"] == 0:
+            return h
+        if time.monotonic() > deadline:
+            pytest.fail(f"server still busy after {timeout} s: {h}")
+        time.sleep(0.1)
+
+
+def test_completion_matches_generate_stream_and_not(client, handle):
+    prompt = "The capital of France is"
+    ref = handle.generate(prompt, max_new_tokens=6, temperature=0.0)
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0,
+                                  extra_body={"return_token_ids": True})
+    c = r.choices[0]
+    assert c.model_extra["token_ids"] == ref.token_ids
+    assert c.model_extra["prompt_token_ids"] == ref.prompt_token_ids
+    assert c.text == ref.text and c.finish_reason == ref.finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ref.prompt_token_ids), 6)
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == ref.text
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
+    # Token-id prompts and several prompts in one request, each choice in place.
+    ids = [ref.prompt_token_ids, ref.prompt_token_ids[:3]]
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=4, temperature=0,
+                                  extra_body={"return_token_ids": True})
+    assert [c.model_extra["token_ids"] for c in r.choices] == \
+        [x.token_ids for x in handle.generate(ids, max_new_tokens=4, temperature=0.0)]
+
+
+def test_chat_matches_generate_stream_and_not(client, handle):
+    msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hi."}]
+    ids = encode_chat(handle.tokenizer, msgs, add_generation_prompt=True, thinking=False)
+    ref = handle.generate(ids, max_new_tokens=6, temperature=0.0)
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_completion_tokens=6, temperature=0,
+                                       extra_body={"return_token_ids": True})
+    assert r.model_extra["prompt_token_ids"] == ids and ids[-1] == THINK_END
+    assert r.choices[0].model_extra["token_ids"] == ref.token_ids
+    assert r.choices[0].message.content == ref.text
+    assert r.choices[0].message.model_extra.get("reasoning_content") is None
+    text, roles = "", []
+    for ch in client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0,
+                                             stream=True):
+        assert ch.object == "chat.completion.chunk" and ch.id.startswith("chatcmpl-")
+        roles += [ch.choices[0].delta.role] if ch.choices[0].delta.role else []
+        text += ch.choices[0].delta.content or ""
+    assert text == ref.text and roles == ["assistant"]
+
+
+def test_reasoning_split_thinking_on(client, handle):
+    msgs = [{"role": "user", "content": "Think first: what is 2+2?"}]
+    kw = {"chat_template_kwargs": {"thinking": True}, "return_token_ids": True}
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0, extra_body=kw)
+    assert r.model_extra["prompt_token_ids"][-1] == THINK_START
+    out = r.choices[0].model_extra["token_ids"]
+    tok = handle.tokenizer
+    # The random model does not close its reasoning: everything it says is reasoning (else split at </think>).
+    cut = out.index(THINK_END) if THINK_END in out else len(out)
+    reasoning = tok.decode(out[:cut], skip_special_tokens=True)
+    assert r.choices[0].message.model_extra["reasoning_content"] == (reasoning or None)
+    assert (r.choices[0].message.content or "") == tok.decode(out[cut + 1:], skip_special_tokens=True)
+    streamed = ""
+    for ch in client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0,
+                                             stream=True, extra_body=kw):
+        streamed += ch.choices[0].delta.model_extra.get("reasoning_content") or ""
+    assert streamed == reasoning
+
+
+def test_prefix_cache_persists_across_requests(client):
+    system = "You are a meticulous assistant. " * 30  # > 2 pages of 64 tokens
+    turn1 = [{"role": "system", "content": system}, {"role": "user", "content": "First question?"}]
+    r1 = client.chat.completions.create(model=MODEL, messages=turn1, max_tokens=3, temperature=0)
+    turn2 = turn1 + [{"role": "assistant", "content": r1.choices[0].message.content},
+                     {"role": "user", "content": "Second question?"}]
+    r2 = client.chat.completions.create(model=MODEL, messages=turn2, max_tokens=3, temperature=0)
+    cached = r2.usage.prompt_tokens_details.cached_tokens
+    assert cached >= 128 and cached % 64 == 0 and cached < r2.usage.prompt_tokens
+
+
+def test_concurrent_streams_equal_solo_outputs(server, handle):
+    """64 streaming clients at once (16 distinct prompts, each 4 times): every stream complete and equal
+    to the prompt's solo greedy output; pages back to the starting count afterwards."""
+    start = _health(server)
+    prompts = [[7 + i, 100 + 3 * i, 2000 + 17 * i] + list(range(300, 300 + i)) for i in range(16)]
+    solo = [handle.generate(p, max_new_tokens=4, temperature=0.0, ignore_eos=True).token_ids for p in prompts]
+    aclient = openai.AsyncOpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+    async def one(i: int) -> tuple[list[int], str | None]:
+        ids, reason = [], None
+        stream = await aclient.completions.create(model=MODEL, prompt=prompts[i % 16], max_tokens=4,
+                                                  temperature=0, stream=True,
+                                                  extra_body={"return_token_ids": True, "ignore_eos": True})
+        async for ch in stream:
+            ids += ch.choices[0].model_extra.get("token_ids") or []
+            reason = ch.choices[0].finish_reason or reason
+        return ids, reason
+
+    async def main():
+        return await asyncio.wait_for(asyncio.gather(*[one(i) for i in range(64)]), timeout=180)
+
+    t0 = time.monotonic()
+    results = asyncio.run(main())
+    elapsed = time.monotonic() - t0
+    assert [r for r in results] == [(solo[i % 16], "length") for i in range(64)], f"after {elapsed:.1f} s"
+    end = _wait_idle(server)
+    assert end["pages_used"] == start["pages_used"] == 0
+
+
+def test_disconnect_mid_stream_frees_request(server):
+    body = {"model": MODEL, "prompt": "Tell me a very long story.", "max_tokens": 1500, "stream": True,
+            "temperature": 0, "ignore_eos": True}
+    with httpx.Client(timeout=60) as http, http.stream("POST", server + "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()  # kept alive: closing this iterator would already close the connection
+        data = [line for line, _ in zip((x for x in lines if x.startswith("data: ")), range(3))]
+        assert len(data) == 3 and '"finish_reason": null' in data[-1]
+        busy = _health(server)
+        assert busy["pending"] == 1 and busy["pages_used"] > 0
+    h = _wait_idle(server, timeout=30)
+    assert h["pages_used"] == 0
+    text = httpx.get(server + "/metrics", timeout=10).text
+    assert 'dsv3_requests_total{endpoint="completions",outcome="cancelled"} 1.0' in text
+
+
+@pytest.mark.parametrize(("body", "status", "param", "words"), [
+    ("{not json", 400, None, "malformed JSON"),
+    ('{"model": "dsv3-default", "messages": [{"role": "user", "content": "x"}], "bogus": 1}', 400, "bogus",
+     "unknown field"),
+    ('{"model": "dsv3-default", "messages": [{"role": "user", "content": "x"}], "temperature": 9}', 400,
+     "temperature", "less than or equal to 2"),
+    ('{"model": "dsv3-default", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}', 400,
+     "top_logprobs", "logprobs"),
+    ('{"model": "dsv3-default", "messages": [{"role": "wizard", "content": "x"}]}', 400,
+     "messages[0].role", "role"),
+    ('{"model": "dsv3-default", "messages": [{"role": "user", "content": "x"}], "n": 0}', 400, "n",
+     "greater than or equal to 1"),
+    ('{"model": "dsv3-default", "messages": [{"role": "user", "content": "x"}], "max_tokens": 100000}', 400,
+     "max_tokens", "exceeds"),
+    ('{"model": "other", "messages": [{"role": "user", "content": "x"}]}', 404, "model", "does not exist"),
+    ('{"model": "dsv3-default", "messages": []}', 400, "messages", "at least 1"),
+    ('{"model": "dsv3-default"}', 400, "messages", "required"),
+])
+def test_bad_requests_are_4xx_naming_the_field(server, body, status, param, words):
+    r = httpx.post(server + "/v1/chat/completions", content=body, timeout=30,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["param"] == param and words in err["message"], err
+
+
+def test_bad_completion_prompts_and_client_errors(server, client):
+    r = httpx.post(server + "/v1/completions", json={"model": MODEL, "prompt": [1, 200000]}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=4, presence_penalty=1.0)
+    assert e.value.body["param"] == "presence_penalty"
+    r = httpx.get(server + "/v1/nothing", timeout=10)
+    assert r.status_code == 404 and "error" in r.json()
+
+
+def test_models_health_and_metrics(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert _health(server)["status"] == "ok"
+    text = httpx.get(server + "/metrics", timeout=10).text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    for name in ("dsv3_requests", "dsv3_prompt_tokens", "dsv3_generation_tokens",
+                 "dsv3_time_to_first_token_seconds", "dsv3_inter_token_latency_seconds", "dsv3_batch_size",
+                 "dsv3_page_usage_ratio", "dsv3_prefix_cache_hit_rate", "dsv3_mtp_acceptance_rate"):
+        assert name in families, name
+    ok = sum(s.value for s in families["dsv3_requests"].samples
+             if s.name == "dsv3_requests_total" and s.labels["outcome"] == "ok")
+    assert ok >= 1
+    ttft = [s for s in families["dsv3_time_to_first_token_seconds"].samples if s.name.endswith("_count")]
+    assert ttft[0].value >= 1
+    json.dumps(_health(server))  # plain JSON
