@@ -340,17 +340,21 @@ class Engine:
 
     def warmup(self, token_counts: Sequence[int] | None = None, row_counts: Sequence[int] | None = None,
                sampled: bool = False) -> float:
-        """Compile ahead of time the step of every (token bucket, row bucket) pair that can occur
-        (rows <= tokens / (spec_k + 1)), for the given counts (default: all buckets); returns the
-        seconds spent. Other shapes compile on first use; all persist in the compilation cache."""
+        """Compile steps ahead of time; returns the seconds spent. Default: every decode batch bucket
+        (S rows of spec_k + 1 tokens) and every single-row prefill bucket. With counts given: every
+        (token bucket, row bucket) pair of them that can occur (rows <= tokens / (spec_k + 1)).
+        Other shapes compile on first use; all persist in the compilation cache."""
         c, before = self.cfg, self._compile_s
         j = c.spec_k + 1
-        ns = sorted({step.bucket(n, c.token_buckets) for n in (token_counts or c.token_buckets)})
-        ss = sorted({step.bucket(s, c.row_buckets) for s in (row_counts or c.row_buckets)})
-        for n in ns:
-            for s in ss:
-                if s == ss[0] or s * j <= n:
-                    self._compiled(step.StepKey(n, s, self._min_width, c.spec_k, sampled, False))
+        if token_counts is None and row_counts is None:
+            pairs = {(step.bucket(s * j, c.token_buckets), s) for s in c.row_buckets}
+            pairs |= {(n, c.row_buckets[0]) for n in c.token_buckets}
+        else:
+            ns = sorted({step.bucket(n, c.token_buckets) for n in (token_counts or c.token_buckets)})
+            ss = sorted({step.bucket(s, c.row_buckets) for s in (row_counts or c.row_buckets)})
+            pairs = {(n, s) for n in ns for s in ss if s == ss[0] or s * j <= n}
+        for n, s in sorted(pairs):
+            self._compiled(step.StepKey(n, s, self._min_width, c.spec_k, sampled, False))
         return self._compile_s - before
 
     # ------------------------------------------------------------------ commit

@@ -205,3 +205,12 @@ def test_cache_layout_has_one_owner():
     assert kv_cache.bytes_per_token(CFG, "naive", jnp.bfloat16) == CFG.kv_bytes_per_token("naive")
     shapes = jax.eval_shape(lambda: kv_cache.allocate(CFG, 4, form="naive"))
     assert set(shapes["moe_layers"]) == set(kv_cache.LEAVES["naive"])
+
+
+def test_warmup_compiles_every_step_ahead(params):
+    handle = ModelHandle(CFG, params)
+    eng = Engine(handle, EngineConfig(num_pages=40, page_size=4, max_batch=4, max_batched_tokens=8,
+                                      chunk_size=8, token_buckets=(8,), row_buckets=(4,)))
+    assert eng.warmup() > 0 and eng.stats["compiles"] == 1
+    eng.generate(_prompts(3, 3, 8, seed=7), max_new_tokens=3)
+    assert eng.stats["compiles"] == 1 and eng.stats["steps"] > 1
