@@ -155,58 +155,47 @@ def main() -> None:
         return args.budget_s - (time.perf_counter() - t_start)
 
     res["copy_bw_gbs"] = e2e_bench.copy_bandwidth() / 1e9
-    res["bare"] = []
-    for b in [1, *batches]:
-        if left() < 60 and b != 1:
-            continue
+    res["bare"], res["loads"], res["xla_variants"] = [], [], []
+    bare: dict[int, float] = {}
+
+    def bare_case(b: int) -> None:
         r = e2e_bench.decode_case(model, params, cfg, b, args.prompt, args.reps, backend)
         floor = 1e3 * e2e_bench.step_bytes(cfg, params, b, args.prompt) / (res["copy_bw_gbs"] * 1e9)
         res["bare"].append({"batch": b, **r, "floor_ms": floor, "ratio_to_floor": r["median_ms"] / floor})
-        save()
-    bare = {row["batch"]: row["median_ms"] for row in res["bare"]}
+        bare[b] = r["median_ms"]
 
     handle = ModelHandle(cfg, params)
     rng = np.random.default_rng(0)
     vocab = cfg.vocab_size
-    ps = 64
     max_req = max(batches)
-    pages = max_req * -(-(args.prompt + args.new) // ps) + 1
+    pages = max_req * -(-(args.prompt + args.new) // kv_cache.PAGE_SIZE) + 1
+    # Coarse buckets keep the number of compiled programs (and this run's compile time) small.
     ecfg = EngineConfig(num_pages=pages, max_batch=max_req, max_batched_tokens=args.max_batched_tokens,
                         chunk_size=args.chunk, prefix_caching=False,
                         token_buckets=(1, 64, 256, 1024, args.max_batched_tokens), row_buckets=(1, 64, max_req))
-    res["engine_config"] = {k: (list(v) if isinstance(v, tuple) else v)
-                            for k, v in ecfg.__dict__.items()}
+    res["engine_config"] = {k: (list(v) if isinstance(v, tuple) else v) for k, v in ecfg.__dict__.items()}
     eng = Engine(handle, ecfg)
-    res["warmup_compile_s"] = eng.warmup()
-    res["warmup_compiles"] = eng.stats["compiles"]
-    save()
-    res["loads"] = []
-    loads = [(1, None)] + [(b, None) for b in batches] + [(b, b / 4.0) for b in batches]
-    for b, rate in loads:
-        if left() < (40 if b <= 64 else 80):
-            res.setdefault("skipped", []).append(f"{b} requests rate={rate}")
-            continue
+
+    def load(b: int, rate: float | None, engine: Engine = eng, tag: str | None = None) -> None:
         prompts = [rng.integers(2, vocab, args.prompt).tolist() for _ in range(b)]
         try:
-            row = run_load(eng, prompts, args.new, rate, seed=b)
-            ref = bare.get(b)
-            if ref and row["decode_only_tok_s"] and rate is None:
-                row["bare_tok_s"] = b / (ref / 1e3)
+            row = run_load(engine, prompts, args.new, rate, seed=b)
+            if bare.get(b) and row["decode_only_tok_s"] and rate is None:
+                row["bare_tok_s"] = b / (bare[b] / 1e3)
                 row["decode_vs_bare"] = row["decode_only_tok_s"] / row["bare_tok_s"]
             if b == 1 and 1 in bare:
                 row["itl_vs_bare"] = row["itl_p50_ms"] / bare[1]
         except Exception as e:  # noqa: BLE001 - record and keep measuring
             row = {"requests": b, "rate_per_s": rate, "error": repr(e)[:400]}
+        if tag:
+            row["compiler_options"] = tag
         res["loads"].append(row)
-        save()
-    res["engine_stats"] = eng.engine_stats()
-    save()
-    if not args.no_xla_variants:
-        # Command buffers for batch 1: the bare step under each variant, then the 1-request load through
-        # an engine compiled with the best one.
-        res["xla_variants"] = []
+
+    def variants() -> None:
+        """Command buffers for batch 1: the bare step under each variant, then the 1-request load
+        through an engine compiled with the best one."""
         for name, opts in XLA_VARIANTS.items():
-            if left() < 40:
+            if left() < 30:
                 res["xla_variants"].append({"variant": name, "skipped": True})
                 continue
             try:
@@ -217,20 +206,34 @@ def main() -> None:
             save()
         ok = [v for v in res["xla_variants"] if "median_ms" in v]
         best = min(ok, key=lambda v: v["median_ms"]) if ok else None
-        if best and best["options"] and left() > 60:
-            eng = Engine(handle, dataclasses.replace(ecfg, compiler_options=best["options"]))
-            eng.warmup(token_counts=(1, args.chunk), row_counts=(1,))
-            prompts = [rng.integers(2, vocab, args.prompt).tolist()]
-            row = run_load(eng, prompts, args.new, None, seed=1)
-            row["compiler_options"] = best["variant"]
-            if 1 in bare:
-                row["itl_vs_bare"] = row["itl_p50_ms"] / bare[1]
-            res["loads"].append(row)
-            save()
+        if best and best["options"] and left() > 45:
+            cb = Engine(handle, dataclasses.replace(ecfg, compiler_options=best["options"]))
+            load(1, None, cb, best["variant"])
+
+    # In priority order; each runs only if the time budget still allows it (the rest is listed skipped).
+    tasks = [("bare b=1", 20, lambda: bare_case(1)), ("bare b=64", 30, lambda: bare_case(64)),
+             ("1 request", 30, lambda: load(1, None)), ("64 at once", 40, lambda: load(64, None)),
+             ("command-buffer variants", 60, variants),
+             (f"bare b={max_req}", 30, lambda: bare_case(max_req)),
+             (f"{max_req} at once", 60, lambda: load(max_req, None)),
+             ("64 poisson", 40, lambda: load(64, 16.0)),
+             (f"{max_req} poisson", 60, lambda: load(max_req, max_req / 4.0))]
+    done: set[str] = set()
+    for name, need, fn in tasks:
+        if name in done:
+            continue
+        done.add(name)
+        if name.startswith("64") and 64 not in batches or left() < need:
+            res.setdefault("skipped", []).append(name)
+            continue
+        fn()
+        save()
+    res["engine_stats"] = eng.engine_stats()
     res["total_s"] = time.perf_counter() - t_start
     save()
+    st = res["engine_stats"]
     print(f"\ndevice {res['device']}  copy {res['copy_bw_gbs']:.0f} GB/s  weights built in {res['weights_s']:.0f} s  "
-          f"engine warmup {res['warmup_compile_s']:.0f} s ({res['warmup_compiles']} programs)")
+          f"engine compiles {st['compiles']} programs in {st['compile_s']:.0f} s (excluded from the figures)")
     print(f"{'bare batch':>10} {'step ms':>8} {'min':>6} {'max':>6} {'floor':>6} {'ratio':>6}")
     for r in res["bare"]:
         print(f"{r['batch']:>10} {r['median_ms']:>8.2f} {r['min_ms']:>6.2f} {r['max_ms']:>6.2f} {r['floor_ms']:>6.2f} "
