@@ -210,10 +210,35 @@ def main() -> None:
             cb = Engine(handle, dataclasses.replace(ecfg, compiler_options=best["options"]))
             load(1, None, cb, best["variant"])
 
+    def mtp() -> None:
+        """spec_k=1 vs 0 at batch 1 on the embedded trained default model (greedy, a stdlib prompt)."""
+        from dsv3_jax import api
+        from dsv3_jax.config import ModelConfig
+
+        # The weights as dsv3_jax.load() reads them, without its tokenizer (not on the GPU machine): the
+        # prompt was tokenized ahead (benchmarks/data/mtp_prompt_ids.json: stdlib source, in-domain).
+        d = api.DEFAULT_MODEL_DIR
+        mcfg = ModelConfig.from_json(d / "config.json")
+        h = ModelHandle(mcfg, jax.tree_util.tree_map(jnp.asarray, api._host_params(d, mcfg)))
+        prompt = json.loads((Path(__file__).parent / "data" / "mtp_prompt_ids.json").read_text())["ids"]
+        out = {"model": "embedded default (dsv3-small, trained)", "prompt_tokens": len(prompt),
+               "new_tokens": args.new}
+        for k in (0, 1):
+            e = Engine(h, EngineConfig(num_pages=64, max_batch=1, spec_k=k, prefix_caching=False))
+            e.generate([prompt], max_new_tokens=8)  # compile
+            r = e.generate([prompt], max_new_tokens=args.new)[0]
+            span = r.token_times[-1] - r.first_token_at
+            out[f"k{k}"] = {"decode_tok_s": (len(r.output) - 1) / span, "steps": r.steps,
+                            "tokens_per_step": len(r.output) / r.steps,
+                            "acceptance": r.metrics()["spec_acceptance"], "output": r.output}
+        out["same_tokens"] = out["k0"].pop("output") == out["k1"].pop("output")
+        out["speedup"] = out["k1"]["decode_tok_s"] / out["k0"]["decode_tok_s"]
+        res["mtp"] = out
+
     # In priority order; each runs only if the time budget still allows it (the rest is listed skipped).
     tasks = [("bare b=1", 20, lambda: bare_case(1)), ("bare b=64", 30, lambda: bare_case(64)),
              ("1 request", 30, lambda: load(1, None)), ("64 at once", 40, lambda: load(64, None)),
-             ("command-buffer variants", 60, variants),
+             ("command-buffer variants", 60, variants), ("MTP spec_k=1 at batch 1", 40, mtp),
              (f"bare b={max_req}", 30, lambda: bare_case(max_req)),
              (f"{max_req} at once", 60, lambda: load(max_req, None)),
              ("64 poisson", 40, lambda: load(64, 16.0)),
@@ -253,6 +278,11 @@ def main() -> None:
               f"{r['mean_tokens']:>6.0f} {r['compiles_during']:>8}")
     for v in res.get("xla_variants", []):
         print(f"bare b=1, {v['variant']}: {v.get('median_ms', v.get('error', 'skipped'))}")
+    if "mtp" in res:
+        m = res["mtp"]
+        print(f"MTP b=1 ({m['model']}): {m['k1']['decode_tok_s']:.0f} vs {m['k0']['decode_tok_s']:.0f} tok/s "
+              f"(x{m['speedup']:.2f}), acceptance {m['k1']['acceptance']}, tokens/step {m['k1']['tokens_per_step']:.2f}, "
+              f"same tokens {m['same_tokens']}")
     print("skipped:", res.get("skipped", []))
 
 

@@ -66,9 +66,17 @@ def enable_compilation_cache() -> Path | None:
     if jax.config.jax_compilation_cache_dir:
         return Path(jax.config.jax_compilation_cache_dir)
     d = compilation_cache_dir()
-    if d is not None:
-        d.mkdir(parents=True, exist_ok=True)
-        jax.config.update("jax_compilation_cache_dir", str(d))
+    if d is None:
+        return None
+    d.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(d))
+    try:  # JAX decides once, at its first compile, whether the cache is on: let it decide again
+        from jax._src import compilation_cache
+
+        if compilation_cache._cache_checked and not compilation_cache._cache_used:
+            compilation_cache.reset_cache()
+    except (ImportError, AttributeError):  # another JAX version: the setting applies from the next process
+        log.info("compilation cache set to %s; it applies to programs compiled from now on", d)
     return d
 
 
