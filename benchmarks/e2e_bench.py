@@ -1,4 +1,4 @@
-"""End-to-end benchmark on one GPU: a full-width DeepSeek-V3 slice with FP8 weights.
+"""End-to-end benchmark on one GPU: a full-width DeepSeek-V3 slice with FP8 (default) or BF16 weights.
 
 Measures, in one run (medians with min/max):
   * a correctness check first: the Pallas path (MLA kernel + FP8 GEMMs) vs the jnp reference path on
@@ -6,10 +6,12 @@ Measures, in one run (medians with min/max):
   * decode step time over a paged latent cache at several (batch, context) points, beside the HBM floor
     = bytes the step must touch (weights read, activated experts, lm_head, the cache) / the device copy
     bandwidth measured in the same run; and the same with the kernels forced off (pure XLA) where it fits;
-  * prefill tokens/s beside the compute floor (activated FLOPs / the fp8 GEMM rate measured here);
+  * prefill tokens/s beside the compute floor (activated FLOPs / the fp8 or bf16 GEMM rate measured here);
   * MTP speculative decoding on a small trained model (--mtp-compact): acceptance and tokens/s vs plain
     decoding at batch 1 and 32 through the serving engine.
 Prints a table last and writes JSON (--out). Absolute times count only from the GPU.
+BF16 slice (issue 15): ``--weights bf16 --moe-layers 2 --prefill-tokens 4096,16384
+--decode-cases 1x1024,64x1024,256x1024`` (experts through ``pallas_kernels.grouped_gemm``).
 """
 
 from __future__ import annotations
@@ -44,9 +46,13 @@ def slice_config(n_moe: int, tiny: bool) -> ModelConfig:
                                                      num_nextn_predict_layers=0)
 
 
-def random_fp8_params(cfg: ModelConfig, seed: int = 0):
-    """Random weights generated leaf by leaf on device (no bf16 copy of the 45 GB of experts)."""
-    model = Transformer(cfg, jnp.bfloat16, fp8=True)
+def random_params(cfg: ModelConfig, seed: int = 0, fp8: bool = True):
+    """Random weights generated leaf by leaf on device (no full-precision copy of the 45 GB of experts).
+
+    FP8: e4m3 values with block scales. BF16: linears drawn with std 1/sqrt(fan_in) so activations stay
+    O(1) through the slice and the logits are meaningful to compare between kernel paths.
+    """
+    model = Transformer(cfg, jnp.bfloat16, fp8=fp8)
     shapes = jax.eval_shape(lambda k: model.init(k, jnp.zeros((1, 1), jnp.int32))["params"],
                             jax.random.key(0))
     leaves, tree = jax.tree_util.tree_flatten_with_path(shapes)
@@ -65,10 +71,17 @@ def random_fp8_params(cfg: ModelConfig, seed: int = 0):
                 return jnp.zeros(s.shape, s.dtype)
             if any("norm" in str(getattr(p, "key", "")) for p in path):
                 return jnp.ones(s.shape, s.dtype)
+            if not fp8 and name.endswith("weight") and len(s.shape) >= 2 and "gate_weight" != name:
+                return (jax.random.normal(k, s.shape, s.dtype) / math.sqrt(s.shape[-1])).astype(s.dtype)
             return (jax.random.normal(k, s.shape, jnp.float32) * 0.02).astype(s.dtype)
 
         out.append(make(key))
     return model, jax.tree_util.tree_unflatten(tree, out)
+
+
+def random_fp8_params(cfg: ModelConfig, seed: int = 0):
+    """The FP8 slice's random weights (see `random_params`)."""
+    return random_params(cfg, seed, fp8=True)
 
 
 def timeit(fn, reps: int) -> dict[str, float]:
@@ -132,6 +145,28 @@ def fp8_rate() -> float:
         return 1285e12  # DESIGN.md's measured cuBLAS fp8 figure
 
 
+def bf16_rate() -> float:
+    """bf16 dense GEMM rate (FLOP/s), cuBLAS via torch at 8192^3 when available (the DESIGN's ceiling)."""
+    try:
+        import torch
+
+        n = 8192
+        a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+        for _ in range(3):
+            a @ b
+        torch.cuda.synchronize()
+        ts = []
+        for _ in range(10):
+            t0 = time.perf_counter()
+            a @ b
+            torch.cuda.synchronize()
+            ts.append(time.perf_counter() - t0)
+        return 2 * n**3 / statistics.median(ts)
+    except Exception:  # noqa: BLE001
+        return 743e12  # DESIGN.md's measured cuBLAS bf16 figure
+
+
 def step_bytes(cfg: ModelConfig, params, batch: int, ctx: int) -> float:
     """Bytes one decode step must read: all non-expert weights, the experts a batch activates
     (expected count under uniform routing), lm_head, and the latent cache."""
@@ -165,6 +200,26 @@ def decode_case(model, params, cfg, batch, ctx, reps, backend):
     with kernels.force(backend):
         f = jax.jit(lambda p, c: model.apply({"params": p}, toks, pos, c, meta)[0][:, -1].argmax(-1))
         return timeit(lambda: f(params, cache), reps)
+
+
+def prefill_case(model, params, cfg, t: int, reps: int, rate_tflops: float) -> dict:
+    """One t-token chunk (batch 1) into a fresh paged cache, beside its compute floor at `rate_tflops`."""
+    ps = kv_cache.PAGE_SIZE
+    table = jnp.asarray(kv_cache.contiguous_table(1, t, ps))
+    cache = kv_cache.allocate(cfg, 1 + table.size, ps, "absorbed", jnp.bfloat16)
+    toks = jnp.asarray(np.random.default_rng(2).integers(0, cfg.vocab_size, (1, t)), jnp.int32)
+    pos = jnp.arange(t, dtype=jnp.int32)[None]
+    meta = PageMeta(table, jnp.full((1,), t, jnp.int32))
+    f = jax.jit(lambda p, c: model.apply({"params": p}, toks, pos, c, meta)[0][:, -1])
+    r = timeit(lambda: f(params, cache), reps)
+    flops = 2 * cfg.param_count(activated=True) * t
+    # Causal absorbed attention: scores over 576 and values over 512 per head, half the square.
+    h, lat = cfg.num_attention_heads, cfg.latent_dim + cfg.kv_lora_rank
+    flops += 2 * cfg.num_hidden_layers * h * lat * t * t / 2
+    out = {"tokens": t, **r, "tokens_per_s": t / (r["median_ms"] / 1e3),
+           "compute_floor_ms": 1e3 * flops / (rate_tflops * 1e12)}
+    out["ratio_to_floor"] = r["median_ms"] / out["compute_floor_ms"]
+    return out
 
 
 def check_paths(model, params, cfg) -> dict[str, float]:
@@ -228,6 +283,10 @@ def main() -> None:
     ap.add_argument("--mtp-compact", type=Path)
     ap.add_argument("--mtp-corpus", type=Path)
     ap.add_argument("--out", type=Path, default=Path("e2e_bench.json"))
+    ap.add_argument("--weights", choices=("fp8", "bf16"), default="fp8")
+    ap.add_argument("--prefill-tokens", default="4096", help="comma-separated prefill chunk sizes (batch 1)")
+    ap.add_argument("--decode-cases", default="", help="comma-separated BATCHxCTX; default: the FP8 sweep")
+    ap.add_argument("--decode-first", action="store_true", help="decode cases before the prefills")
     args = ap.parse_args()
     t_start = time.perf_counter()
     res: dict = {"device": str(jax.devices()[0].device_kind), "date": time.strftime("%Y-%m-%d"),
@@ -246,66 +305,71 @@ def main() -> None:
             res["mtp_error"] = repr(e)
         save()
     cfg = slice_config(args.moe_layers, args.tiny)
-    model, params = random_fp8_params(cfg)
-    res["config"] = {"layers": cfg.num_hidden_layers, "moe_layers": cfg.n_moe_layers,
+    fp8 = args.weights == "fp8"
+    model, params = random_params(cfg, fp8=fp8)
+    res["config"] = {"layers": cfg.num_hidden_layers, "moe_layers": cfg.n_moe_layers, "weights": args.weights,
                      "weight_gb": sum(x.nbytes for x in jax.tree_util.tree_leaves(params)) / 1e9}
     res["copy_bw_gbs"] = copy_bandwidth() / 1e9
-    res["fp8_tflops"] = fp8_rate() / 1e12
+    if fp8:
+        res["fp8_tflops"] = fp8_rate() / 1e12
+    else:
+        res["bf16_tflops"] = bf16_rate() / 1e12
+    rate = res["fp8_tflops" if fp8 else "bf16_tflops"]
     save()
     try:
         res["check"] = check_paths(model, params, cfg) if not args.tiny else {}
     except Exception as e:  # noqa: BLE001
         res["check_error"] = repr(e)
     save()
-    # Prefill: one 4096-token chunk (batch 1) through the paged cache.
-    if left() > 100:
-        t = 512 if args.tiny else 4096
-        try:
-            ps = kv_cache.PAGE_SIZE
-            table = jnp.asarray(kv_cache.contiguous_table(1, t, ps))
-            cache = kv_cache.allocate(cfg, 1 + table.size, ps, "absorbed", jnp.bfloat16)
-            toks = jnp.asarray(np.random.default_rng(2).integers(0, cfg.vocab_size, (1, t)), jnp.int32)
-            pos = jnp.arange(t, dtype=jnp.int32)[None]
-            meta = PageMeta(table, jnp.full((1,), t, jnp.int32))
-            f = jax.jit(lambda p, c: model.apply({"params": p}, toks, pos, c, meta)[0][:, -1])
-            r = timeit(lambda: f(params, cache), max(3, args.reps // 3))
-            flops = 2 * cfg.param_count(activated=True) * t
-            # Causal absorbed attention: scores over 576 and values over 512 per head, half the square.
-            h, lat = cfg.num_attention_heads, cfg.latent_dim + cfg.kv_lora_rank
-            flops += 2 * cfg.num_hidden_layers * h * lat * t * t / 2
-            res["prefill"] = {"tokens": t, **r, "tokens_per_s": t / (r["median_ms"] / 1e3),
-                              "compute_floor_ms": 1e3 * flops / (res["fp8_tflops"] * 1e12)}
-            res["prefill"]["ratio_to_floor"] = r["median_ms"] / res["prefill"]["compute_floor_ms"]
-        except Exception as e:  # noqa: BLE001
-            res["prefill_error"] = repr(e)[:400]
-        save()
 
-    cases = [(1, 1024), (64, 8192), (1, 32768), (256, 1024), (8, 8192), (64, 32768), (64, 1024),
-             (1, 8192), (8, 1024), (256, 8192), (8, 32768)]
-    if args.tiny:
-        cases = [(1, 128), (4, 256)]
-    res["decode"] = []
-    for b, ctx in cases:
-        if left() < 45:
-            res.setdefault("skipped", []).append(f"decode b={b} ctx={ctx}")
-            continue
-        row = {"batch": b, "ctx": ctx}
-        try:
-            row["pallas"] = decode_case(model, params, cfg, b, ctx, args.reps, "pallas" if not args.tiny
-                                        else "reference")
-            floor_ms = 1e3 * step_bytes(cfg, params, b, ctx) / (res["copy_bw_gbs"] * 1e9)
-            row["floor_ms"] = floor_ms
-            row["ratio_to_floor"] = row["pallas"]["median_ms"] / floor_ms
-            if (b, ctx) == (1, 1024) and left() > 90:
-                row["xla"] = decode_case(model, params, cfg, b, ctx, 3, "reference")
-        except Exception as e:  # noqa: BLE001
-            row["error"] = repr(e)[:400]
-        res["decode"].append(row)
-        save()
-    print(f"\ndevice {res['device']}  copy {res['copy_bw_gbs']:.0f} GB/s  fp8 {res['fp8_tflops']:.0f} TFLOP/s  "
+    def run_prefills():
+        """One chunk of t tokens (batch 1) through the paged cache, for each t asked for."""
+        for t in [int(v) for v in args.prefill_tokens.split(",")]:
+            if left() < 100:
+                res.setdefault("skipped", []).append(f"prefill {t}")
+                continue
+            t = min(t, 512) if args.tiny else t
+            try:
+                p = prefill_case(model, params, cfg, t, max(3, args.reps // 3), rate)
+                res.setdefault("prefills", []).append(p)
+                res["prefill"] = p  # the last one, under the FP8 runs' key
+            except Exception as e:  # noqa: BLE001
+                res.setdefault("prefill_errors", []).append(f"{t}: {repr(e)[:400]}")
+                res["prefill_error"] = repr(e)[:400]
+            save()
+
+    def run_decodes():
+        cases = [(1, 1024), (64, 8192), (1, 32768), (256, 1024), (8, 8192), (64, 32768), (64, 1024),
+                 (1, 8192), (8, 1024), (256, 8192), (8, 32768)]
+        if args.decode_cases:
+            cases = [tuple(int(v) for v in c.split("x")) for c in args.decode_cases.split(",")]
+        if args.tiny:
+            cases = [(1, 128), (4, 256)]
+        res["decode"] = []
+        for b, ctx in cases:
+            if left() < 45:
+                res.setdefault("skipped", []).append(f"decode b={b} ctx={ctx}")
+                continue
+            row = {"batch": b, "ctx": ctx}
+            try:
+                row["pallas"] = decode_case(model, params, cfg, b, ctx, args.reps, "pallas" if not args.tiny
+                                            else "reference")
+                floor_ms = 1e3 * step_bytes(cfg, params, b, ctx) / (res["copy_bw_gbs"] * 1e9)
+                row["floor_ms"] = floor_ms
+                row["ratio_to_floor"] = row["pallas"]["median_ms"] / floor_ms
+                if (b, ctx) == (1, 1024) and fp8 and left() > 90:  # bf16's reference is no peer
+                    row["xla"] = decode_case(model, params, cfg, b, ctx, 3, "reference")
+            except Exception as e:  # noqa: BLE001
+                row["error"] = repr(e)[:400]
+            res["decode"].append(row)
+            save()
+
+    for part in ((run_decodes, run_prefills) if args.decode_first else (run_prefills, run_decodes)):
+        part()
+    print(f"\ndevice {res['device']}  copy {res['copy_bw_gbs']:.0f} GB/s  {args.weights} {rate:.0f} TFLOP/s  "
           f"weights {res['config']['weight_gb']:.1f} GB  check {res.get('check') or res.get('check_error')}")
     print(f"{'batch':>6} {'ctx':>6} {'step ms':>9} {'min':>7} {'max':>7} {'floor ms':>9} {'ratio':>6} {'xla ms':>8}")
-    for row in res["decode"]:
+    for row in res.get("decode", []):
         if "error" in row:
             print(f"{row['batch']:>6} {row['ctx']:>6}  error {row['error'][:80]}")
             continue
@@ -313,10 +377,12 @@ def main() -> None:
         x = row.get("xla", {}).get("median_ms", float("nan"))
         print(f"{row['batch']:>6} {row['ctx']:>6} {p['median_ms']:>9.2f} {p['min_ms']:>7.2f} {p['max_ms']:>7.2f} "
               f"{row['floor_ms']:>9.2f} {row['ratio_to_floor']:>6.2f} {x:>8.2f}")
-    if "prefill" in res:
-        p = res["prefill"]
-        print(f"prefill {p['tokens']} tok: {p['median_ms']:.1f} ms, {p['tokens_per_s']:.0f} tok/s, "
-              f"compute floor {p['compute_floor_ms']:.1f} ms (x{p['ratio_to_floor']:.2f})")
+    for p in res.get("prefills", []):
+        print(f"prefill {p['tokens']} tok: {p['median_ms']:.1f} ms (min {p['min_ms']:.1f} max {p['max_ms']:.1f}), "
+              f"{p['tokens_per_s']:.0f} tok/s, compute floor {p['compute_floor_ms']:.1f} ms "
+              f"(x{p['ratio_to_floor']:.2f})")
+    for e in res.get("prefill_errors", []):
+        print("prefill error:", e[:300])
     for row in res.get("mtp", []):
         print(f"MTP batch {row['batch']}: acceptance {row['acceptance']:.2f}, {row['mtp_tok_s']:.0f} vs "
               f"{row['plain_tok_s']:.0f} tok/s plain (x{row['speedup']:.2f}), tokens/step {row['tokens_per_step']:.2f}")

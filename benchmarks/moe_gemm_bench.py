@@ -1,4 +1,4 @@
-"""Benchmark of the MoE expert GEMM at DeepSeek-V3 shapes: our Pallas FP8 grouped GEMM beside its peers.
+"""Benchmark of the MoE expert GEMM at DeepSeek-V3 shapes: our Pallas FP8 and BF16 grouped GEMMs beside peers.
 
 Regimes (issue 7): prefill, M = 8192 tokens x 8 experts = 65,536 rows over E = 256 experts with uniform
 and skewed loads; decode, M = 64..1024 rows over 256 experts. Shapes: gate+up K=7168 -> N=4096 and
@@ -7,7 +7,12 @@ torch ``_grouped_mm`` (bf16), ``jax.lax.ragged_dot`` (bf16) and cuBLAS dense fp8
 Each of our timings comes with a correctness check against an fp32 dequantize-then-matmul on a sample of
 experts. Prints a table and writes JSON (``--out``).
 
-Run on an H200: ``PYTHONPATH=. python3 benchmarks/moe_gemm_bench.py --out $OUT/moe_gemm_bench.json``.
+BF16 (``--bf16``, issue 15): ``pallas_kernels.grouped_gemm`` tiling variants beside torch ``_grouped_mm``
+bf16 on the same operands, prefill 65,536 rows (uniform and Zipf) and decode 256-1,024 rows; each timed
+variant is checked against fp32 on a sample of experts; decode reports weight bytes streamed per second.
+
+Run on an H200: ``PYTHONPATH=. python3 benchmarks/moe_gemm_bench.py --out $OUT/moe_gemm_bench.json``
+(add ``--bf16`` for the BF16 kernel only).
 """
 
 from __future__ import annotations
@@ -23,6 +28,9 @@ import numpy as np
 
 from pallas_kernels.fp8_gemm import DECODE_CONFIG, PREFILL_CONFIG, Fp8GemmConfig, fp8_gemm, fp8_grouped_gemm
 from pallas_kernels.fp8_quant import FP8_DTYPE, quantize_act
+from pallas_kernels.grouped_gemm import DECODE_CONFIG as BF16_DECODE
+from pallas_kernels.grouped_gemm import PREFILL_CONFIG as BF16_PREFILL
+from pallas_kernels.grouped_gemm import GroupedGemmConfig, grouped_gemm
 
 E = 256
 SHAPES = {"gate_up": (7168, 4096), "down": (2048, 7168)}
@@ -194,15 +202,165 @@ def dense_case(results, m=8192, n=8192, k=8192):
     results.append(row(name, "torch _scaled_mm fp8 (cuBLAS, tensorwise)", ms, flops, n * k))
 
 
+def time_jax_spread(fn, *args, iters: int = 10, warmup: int = 2) -> tuple[float, float, float]:
+    """(median, min, max) wall-clock ms of ``fn(*args)``, each call synchronised."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    ts = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(ts), min(ts), max(ts)
+
+
+def check_sample_bf16(out, x, w, gs: np.ndarray, experts) -> float:
+    """Relative Frobenius error of ``out`` against an fp32 matmul on the given experts' rows."""
+    offs = np.concatenate([[0], np.cumsum(gs)])
+    num, den = 0.0, 0.0
+    for e in experts:
+        lo, hi = int(offs[e]), int(offs[e + 1])
+        if hi == lo:
+            continue
+        ref = jnp.dot(x[lo:hi].astype(jnp.float32), w[e].astype(jnp.float32).T,
+                      precision=jax.lax.Precision.HIGHEST)
+        d = out[lo:hi].astype(jnp.float32) - ref
+        num += float(jnp.sum(d * d))
+        den += float(jnp.sum(ref * ref))
+    return (num / max(den, 1e-30)) ** 0.5
+
+
+def bf16_case(name, m, k, n, load, configs, results, torch_peer: bool):
+    """Our bf16 grouped GEMM (each config) and torch ``_grouped_mm`` bf16 on the same operands."""
+    gs = group_sizes_for(m, E, load)
+    active = int((gs > 0).sum())
+    kx, kw = jax.random.split(jax.random.key(hash(name) % 2**31))
+    x = jax.random.normal(kx, (m, k), jnp.bfloat16)
+    w = jax.random.normal(kw, (E, n, k), jnp.bfloat16) * 0.02
+    gs_j = jnp.asarray(gs)
+    flops = 2.0 * m * n * k
+    wbytes = 2 * active * n * k  # bf16 weight bytes of experts that have rows
+    sample = sorted({int(np.argmax(gs)), int(np.argmin(gs)), 1, 7, E - 1} & set(range(E)))
+    best = None
+    for cfg in configs:
+        label = f"pallas bf16 {cfg.wg_m}x{cfg.wg_n}/{cfg.wg_split}/{cfg.max_concurrent_steps}" + \
+            ("/chain" if cfg.chain else "")
+        f = jax.jit(lambda a, b, g, cfg=cfg: grouped_gemm(a, b, g, config=cfg))
+        try:
+            out = jax.block_until_ready(f(x, w, gs_j))
+            err = check_sample_bf16(out, x, w, gs, sample)
+            finite = bool(jnp.all(jnp.isfinite(out.astype(jnp.float32))))
+            del out
+            med, lo, hi = time_jax_spread(f, x, w, gs_j)
+            results.append(row(name, label, med, flops, wbytes, err, min_ms=round(lo, 4), max_ms=round(hi, 4),
+                               finite=finite, dtype="bf16"))
+            if best is None or med < best[0]:
+                best = (med, cfg)
+        except Exception as ex:  # noqa: BLE001 - report and carry on with the other variants
+            print(f"{name}: {label} FAILED: {type(ex).__name__}: {str(ex)[:3000]}", flush=True)
+            results.append({"case": name, "variant": label, "error": str(ex)[:1000], "dtype": "bf16"})
+        del f
+    if torch_peer:
+        import torch
+
+        tx = torch.from_dlpack(x)
+        offs = torch.tensor(np.cumsum(gs), dtype=torch.int32, device="cuda")
+        tw = torch.from_dlpack(w).transpose(-2, -1)  # [E, K, N] view of the same [E, N, K] bytes
+        try:
+            ts = []
+            for _ in range(3):  # three medians of 10, reported as median with the spread
+                ts.append(time_torch(lambda: torch._grouped_mm(tx, tw, offs=offs)))
+            results.append(row(name, "torch _grouped_mm bf16", statistics.median(ts), flops, wbytes,
+                               min_ms=round(min(ts), 4), max_ms=round(max(ts), 4), dtype="bf16"))
+        except Exception as ex:  # noqa: BLE001
+            print(f"{name}: torch _grouped_mm FAILED: {str(ex)[:300]}", flush=True)
+        del tx, tw
+        torch.cuda.empty_cache()
+    return best
+
+
+def smoke(results) -> bool:
+    """Compile and check every kernel variant on small ragged shapes (both kernels share the row-tile
+    code): a failing variant is reported before any long benchmark starts."""
+    from pallas_kernels.fp8_reference import fp8_grouped_gemm_reference
+    from pallas_kernels.grouped_gemm import grouped_gemm_reference
+
+    sizes = np.array([100, 0, 1, 300, 64, 0, 3, 0], np.int32)  # 468 of 520 rows; a zero tail
+    m, k, n = 520, 512, 768
+    kx, kw = jax.random.split(jax.random.key(7))
+    x = jax.random.normal(kx, (m, k), jnp.bfloat16)
+    w = jax.random.normal(kw, (len(sizes), n, k), jnp.bfloat16) * 0.05
+    gs = jnp.asarray(sizes)
+    ref = np.asarray(grouped_gemm_reference(x, w, gs, out_dtype=jnp.float32))
+    ok = True
+    cfgs = [BF16_PREFILL, BF16_DECODE, GroupedGemmConfig(128, 128, "n", 4, chain=False),
+            GroupedGemmConfig(128, 128, "m", 4), GroupedGemmConfig(64, 128, "n", 5, chain=False)]
+    for cfg in cfgs:
+        try:
+            out = np.asarray(grouped_gemm(x, w, gs, config=cfg).astype(jnp.float32))
+            err = float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+            good = bool(np.isfinite(out).all()) and err < 1e-2 and not out[sizes.sum():].any()
+        except Exception as ex:  # noqa: BLE001
+            err, good = repr(ex)[:3000], False
+        print(f"smoke bf16 {cfg}: rel_err {err} {'ok' if good else 'FAILED'}", flush=True)
+        results.append({"case": "smoke", "variant": str(cfg), "rel_err": err, "ok": good})
+        ok &= good
+    xq, xs = quantize_act(x)
+    wq, ws = random_fp8_weights(kw, len(sizes), n, k)
+    out = np.asarray(fp8_grouped_gemm(xq, xs, wq, ws, gs).astype(jnp.float32))
+    r8 = np.asarray(fp8_grouped_gemm_reference(xq, xs, wq, ws, gs, out_dtype=jnp.float32))
+    err = float(np.linalg.norm(out - r8) / np.linalg.norm(r8))
+    good = bool(np.isfinite(out).all()) and err < 1e-2 and not out[sizes.sum():].any()
+    print(f"smoke fp8 grouped: rel_err {err} {'ok' if good else 'FAILED'}", flush=True)
+    results.append({"case": "smoke", "variant": "fp8 default", "rel_err": err, "ok": good})
+    return ok and good
+
+
+def bf16_main(results, save_fn, torch_peer: bool) -> None:
+    """Issue 15's BF16 regimes, most telling first (a run cut short still has them): tiling variants
+    where the choice matters, the default elsewhere."""
+    prefill_variants = [BF16_PREFILL, GroupedGemmConfig(128, 128, "n", 4, chain=False),
+                        GroupedGemmConfig(128, 128, "m", 4)]
+    decode_variants = [BF16_DECODE, GroupedGemmConfig(64, 128, "n", 5, chain=False)]
+    best = {}
+    for shape, (k, n) in SHAPES.items():
+        cfgs = prefill_variants if not best else sorted({BF16_PREFILL, *best.values()}, key=str)
+        won = bf16_case(f"bf16 prefill {shape} M=65536 uniform", 65536, k, n, "uniform", cfgs, results,
+                        torch_peer)
+        if won:
+            best[shape] = won[1]
+        save_fn()
+    for m, cfgs in ((512, decode_variants), (256, [BF16_DECODE]), (1024, [BF16_DECODE])):
+        for shape, (k, n) in SHAPES.items():
+            bf16_case(f"bf16 decode {shape} M={m}", m, k, n, "uniform", cfgs, results, torch_peer)
+            save_fn()
+    for shape, (k, n) in SHAPES.items():
+        bf16_case(f"bf16 prefill {shape} M=65536 zipf", 65536, k, n, "skewed", [BF16_PREFILL], results,
+                  torch_peer)
+        bf16_case(f"bf16 decode {shape} M=64 zipf", 64, k, n, "skewed", [BF16_DECODE], results, torch_peer)
+        save_fn()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="moe_gemm_bench.json")
     ap.add_argument("--quick", action="store_true", help="one prefill and one decode case, no peers")
     ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--bf16", action="store_true", help="only the BF16 grouped GEMM (issue 15)")
+    ap.add_argument("--smoke", action="store_true", help="compile and check each variant on small shapes")
     args = ap.parse_args()
     results: list[dict] = []
-    meta = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "date": "2026-12-02"}
+    meta = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
+            "date": time.strftime("%Y-%m-%d")}
     print(meta, flush=True)
+    if args.smoke:
+        ok = smoke(results)
+        save(args.out, meta, results)
+        raise SystemExit(0 if ok else 1)
+    if args.bf16:
+        bf16_main(results, lambda: save(args.out, meta, results), not args.no_torch)
+        save(args.out, meta, results)
+        return
     torch_peers = not (args.no_torch or args.quick)
     prefill_cfgs = [PREFILL_CONFIG, Fp8GemmConfig("m", 5), Fp8GemmConfig("n", 4)]
     decode_cfgs = [DECODE_CONFIG, Fp8GemmConfig("m", 4)]

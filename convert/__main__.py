@@ -1,8 +1,9 @@
 """`python -m convert SRC DST` / `dsv3-convert`: the converter's command line.
 
-Owns: argument parsing, turning every expected failure (invalid source, existing destination, stale
-partial run, I/O errors) into a one-paragraph message on stderr with a non-zero exit code, and printing
-the closing summary. The work itself is `convert.converter.convert`.
+Owns: argument parsing (`--dtype` spellings through dsv3_jax.cli), turning every expected failure
+(invalid source, refused destination, a conversion already running, stale partial run, I/O errors)
+into one line on stderr (a list when validation finds several problems) with a non-zero exit code,
+and printing the closing summary. The work itself is `convert.converter.convert`.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.workers < 1:
-        _parser().error(f"--workers must be >= 1, got {args.workers}")
+        print(f"dsv3-convert: error: --workers must be >= 1, got {args.workers}", file=sys.stderr)
+        return EXIT_INVALID
     # Imported here so `--help` is instant (this pulls in jax through dsv3_jax).
     from convert.converter import ConvertError, convert
     from convert.safetensors_io import SafetensorsError
@@ -59,8 +61,10 @@ def main(argv: list[str] | None = None) -> int:
         report_error("dsv3-convert", e)
         return EXIT_INVALID
     except (SafetensorsError, OSError) as e:
-        print(f"dsv3-convert: error during conversion: {e}\nThe partial work is kept; rerun with --resume "
-              "to continue.", file=sys.stderr)
+        os_error = isinstance(e, OSError) and e.filename and e.strerror
+        msg = f"{e.filename}: {e.strerror}" if os_error else str(e)
+        print(f"dsv3-convert: error during conversion: {msg}; the partial work is kept: rerun with --resume "
+              "to continue", file=sys.stderr)
         return EXIT_FAILED
     except KeyboardInterrupt:
         print("dsv3-convert: interrupted; rerun with --resume to continue.", file=sys.stderr)

@@ -620,8 +620,8 @@ def convert(src: str | Path, dst: str | Path, *, dtype: str = "auto", ue8m0: boo
             _clean_replaced(dst)
             return _finish_report(report, dst, t0)
         if resume and not force and dst.exists():
-            raise ConvertError(f"destination {dst} already exists (a different conversion); pass --force "
-                               "to replace it")
+            raise ConvertError(f"destination {dst} already exists and is not this conversion's result; pass "
+                               "--force as well to replace it")
         _check_destination(src, dst, force)
         _clear_stale_staging(dst)
         return _run(source, dst, tmp, plan_doc, leaves, all_leaves, config, out_name, notes,

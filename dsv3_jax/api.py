@@ -20,10 +20,11 @@ import numpy as np
 
 from dsv3_jax import checkpoint, decode, sharding
 from dsv3_jax.attention import ATTENTION_FORMS
+from dsv3_jax.cli import check_mesh, compute_dtype_name
 from dsv3_jax.config import ModelConfig
 from dsv3_jax.decode import GenerationResult, sampling_settings
 from dsv3_jax.model import Transformer
-from dsv3_jax.sampling import load_generation_defaults
+from dsv3_jax.sampling import load_generation_defaults, validate_sampling_params
 from dsv3_jax.tokenizer import Tokenizer
 
 
@@ -108,6 +109,8 @@ class ModelHandle:
         single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], (int, np.integer)))
         batch = [prompts] if single else list(prompts)
         ids = [self._encode(p) for p in batch]
+        validate_sampling_params(1.0, 1.0, 0, seed=seed)  # int32, like the engine's per-request seeds
+        validate_sampling_params(1.0, 1.0, 0, seed=int(seed) + max(len(ids) - 1, 0))  # prompt i: seed + i
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         eos = [] if ignore_eos else self._eos_ids()
         settings = sampling_settings(self.generation_defaults, temperature, top_p, top_k)
@@ -167,10 +170,16 @@ class ModelHandle:
         return inspect.cache_pages(self, prompt, **({} if page_size is None else {"page_size": page_size}))
 
 
-def load(path: str | Path, *, mesh: Any = None, attention: str = "absorbed", dtype: str | None = None,
-         n_activated_experts: int | None = None, max_seq_len: int | None = None,
+# The embedded default: a small DeepSeek-V3 (real MLA widths, MoE, MTP) trained on the standard library's
+# source, stored in train.py's compact form (used vocabulary rows only; see default_model/README.md).
+DEFAULT_MODEL_DIR = Path(__file__).parent / "default_model"
+
+
+def load(path: str | Path | None = None, *, mesh: Any = None, attention: str = "absorbed",
+         dtype: str | None = None, n_activated_experts: int | None = None, max_seq_len: int | None = None,
          device_memory: int | str | None = None) -> ModelHandle:
-    """Load a converted checkpoint (or an HF safetensors directory) onto `mesh` (None: one device).
+    """Load a converted checkpoint (or an HF safetensors directory) onto `mesh` (None: one device);
+    `path` None loads the embedded default model (`DEFAULT_MODEL_DIR`).
 
     `mesh`: a spec string ("data=2,tensor=2,expert=2", see sharding.py), an axis-size dict or a Mesh
     from `sharding.make_mesh`. `dtype` overrides the compute/weight dtype (FP8 weights stay FP8);
@@ -179,22 +188,21 @@ def load(path: str | Path, *, mesh: Any = None, attention: str = "absorbed", dty
     `max_seq_len` tokens (default: the model's context) in `device_memory` (default: what the
     accelerator reports; no check on CPU), else PlanError with the numbers.
     """
-    path = Path(path)
+    path = DEFAULT_MODEL_DIR if path is None else Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory not found: {path}")
     cfg = ModelConfig.from_json(path / "config.json")
     if dtype is not None:
-        cfg = cfg.replace(dtype=str(jnp.dtype(dtype)))
+        cfg = cfg.replace(dtype=compute_dtype_name(dtype))  # bf16, bfloat16, jnp.bfloat16 alike
     if n_activated_experts is not None:
         cfg = cfg.replace(num_experts_per_tok=n_activated_experts)
     if mesh is not None:
-        mesh = sharding.make_mesh(mesh)
+        mesh = sharding.make_mesh(check_mesh(mesh, "mesh") if isinstance(mesh, str) else mesh)
         sharding.validate(cfg, mesh, fp8=cfg.quantization is not None)
     _check_plan(cfg, mesh, max_seq_len, device_memory)
     shardings = None
     if mesh is None:
-        params = checkpoint.load_params(path, cfg, dtype=jnp.dtype(cfg.dtype))
-        params = jax.tree_util.tree_map(jnp.asarray, params)
+        params = jax.tree_util.tree_map(jnp.asarray, _host_params(path, cfg))
     elif (path / checkpoint.COMPLETE_MARKER).exists():
         # Converted (Orbax): each process restores only the chunks its devices hold.
         shardings = sharding.param_shardings(cfg, mesh, _planned_shapes(cfg))
@@ -202,12 +210,25 @@ def load(path: str | Path, *, mesh: Any = None, attention: str = "absorbed", dty
         shardings = _prune(shardings, params)
     else:
         # HF safetensors: read on the host, then each process places only its devices' slices.
-        host = checkpoint.load_params(path, cfg, dtype=jnp.dtype(cfg.dtype))
+        host = _host_params(path, cfg)
         shardings = sharding.param_shardings(cfg, mesh, host)
         params = jax.tree.map(lambda x, sh: jax.make_array_from_callback(x.shape, sh, lambda i: x[i]),
                               host, shardings)
-    tok = Tokenizer.from_dir(path) if (path / "tokenizer.json").exists() else None
+    if (path / "tokenizer.json").exists():
+        tok = Tokenizer.from_dir(path)
+    else:
+        tok = Tokenizer.default() if path == DEFAULT_MODEL_DIR else None
     return ModelHandle(cfg, params, attention, mesh, path, tok, load_generation_defaults(path), shardings)
+
+
+def _host_params(path: Path, cfg: ModelConfig) -> dict[str, Any]:
+    """The parameter tree on the host: compact part files (train.py's form, the default model's storage)
+    expanded to the full vocabulary, or an HF / converted checkpoint read by checkpoint.py."""
+    from dsv3_jax import train
+
+    if not train.has_compact(path):
+        return checkpoint.load_params(path, cfg, dtype=jnp.dtype(cfg.dtype))
+    return checkpoint.cast_tree(train.tie_mtp(train.import_compact(path)), jnp.dtype(cfg.dtype))
 
 
 def _weights_dtype(cfg: ModelConfig) -> str:

@@ -109,6 +109,8 @@ def load_converted(path: str | Path, cfg: ModelConfig, *, dtype: jnp.dtype,
     elif not any(p[0] == "mtp" for p in leaves):
         raise CheckpointError(f"{path}: config declares an MTP layer but the checkpoint has none")
 
+    _check_shapes_match_config(path, cfg, leaves)
+
     def sharding_of(p: tuple[str, ...]) -> Any:
         if shardings is None:
             return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
@@ -133,6 +135,24 @@ def load_converted(path: str | Path, cfg: ModelConfig, *, dtype: jnp.dtype,
         return orbax_io.restore(root, want, {p: sharding_of(p) for p in want})
     except (ValueError, OSError, RuntimeError) as e:
         raise CheckpointError(f"{path}: restoring the parameters failed: {str(e).splitlines()[0]}") from e
+
+
+def _check_shapes_match_config(path: Path, cfg: ModelConfig,
+                               leaves: dict[tuple[str, ...], tuple[tuple[int, ...], str]]) -> None:
+    """Refuse a checkpoint whose leaf shapes are not the ones its config.json implies (a config edited
+    after conversion would otherwise fail at the first forward, deep inside Flax)."""
+    from dsv3_jax import plan
+
+    fp8 = any(dt == "float8_e4m3fn" for _, dt in leaves.values())
+    tree = plan.param_shapes(cfg, "fp8" if fp8 else "bf16", bool(cfg.num_nextn_predict_layers))
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    want = {tuple(k.key for k in kp): tuple(x.shape) for kp, x in flat}
+    bad = [f"{'.'.join(p)}: stored {list(shape)}, config.json implies {list(want[p])}"
+           for p, (shape, _) in sorted(leaves.items()) if p in want and tuple(shape) != want[p]]
+    if bad:
+        more = f" (and {len(bad) - 3} more)" if len(bad) > 3 else ""
+        raise CheckpointError(f"{path}: the parameters do not match config.json (edited after conversion?): "
+                              + "; ".join(bad[:3]) + more)
 
 
 _LEAF_NAME = re.compile(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*")

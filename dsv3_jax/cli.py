@@ -47,6 +47,22 @@ def parse_dtype(text: object, allowed: tuple[str, ...], flag: str = "--dtype", w
     return canon
 
 
+def compute_dtype_name(dtype: object, flag: str = "dtype") -> str:
+    """The numpy name (bfloat16 | float16 | float32) of a compute dtype given as any spelling above or
+    as a numpy / jax dtype; FP8 is refused (a weight format, chosen at conversion)."""
+    if not isinstance(dtype, str):
+        import numpy as np
+
+        try:
+            dtype = np.dtype(dtype).name
+        except TypeError:
+            raise UsageError(f"{flag} {dtype!r} is not a dtype") from None
+    canon = parse_dtype(dtype, ("bf16", "fp16", "fp32"), flag,
+                        why="FP8 is a weight format chosen at conversion (python -m convert --dtype fp8); an "
+                            "FP8 checkpoint stays FP8 whatever the compute dtype")
+    return NUMPY_NAMES[canon]
+
+
 def check_mesh(text: object, flag: str = "--mesh") -> str:
     """A `--mesh` string with stray commas and spaces removed; an empty one is refused (it would
     silently mean one device). The axis names and sizes are checked by `sharding.parse_mesh_spec`."""

@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
+import operator
 from pathlib import Path
 from typing import Any
 
@@ -182,18 +184,23 @@ class ModelConfig:
                 raise ConfigError(f"config field `{field}`: {why}")
 
         # Types and ranges first (every field, so nothing below compares a string with a number).
+        # Numpy numbers are accepted and stored as plain Python numbers (the dataclass stays hashable
+        # and JSON-writable).
+        def keep(f: str, v: Any) -> None:
+            object.__setattr__(self, f, v)
+
         for f in ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
                   "num_hidden_layers", "n_routed_experts", "num_experts_per_tok", "n_group",
                   "topk_group", "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim",
                   "qk_rope_head_dim", "v_head_dim", "max_position_embeddings"):
-            _check_int(getattr(self, f), f, 1)
+            keep(f, _check_int(getattr(self, f), f, 1))
         for f in ("first_k_dense_replace", "n_shared_experts", "num_nextn_predict_layers", "bos_token_id",
                   "eos_token_id"):
-            _check_int(getattr(self, f), f, 0)
+            keep(f, _check_int(getattr(self, f), f, 0))
         if self.q_lora_rank is not None:
-            _check_int(self.q_lora_rank, "q_lora_rank", 1, "null or ")
+            keep("q_lora_rank", _check_int(self.q_lora_rank, "q_lora_rank", 1, "null or "))
         for f in ("routed_scaling_factor", "rms_norm_eps", "rope_theta"):
-            _check_float(getattr(self, f), f, positive=True)
+            keep(f, _check_float(getattr(self, f), f, positive=True))
         for f in ("norm_topk_prob", "rope_interleave", "tie_word_embeddings"):
             need(isinstance(getattr(self, f), bool), f, f"must be true or false, got {getattr(self, f)!r}")
         for f in ("topk_method", "scoring_func", "dtype"):
@@ -337,7 +344,11 @@ def _parse_rope(d: dict[str, Any]) -> tuple[YarnScaling | None, float | None]:
     theta = rp.get("rope_theta") if rp else None
     if not src:
         return None, theta
-    kind = src.get("rope_type", src.get("type", "default"))
+    kinds = {src[k] for k in ("rope_type", "type") if k in src}
+    if len(kinds) > 1:
+        raise ConfigError(f"config field `rope_scaling.type`: {src.get('type')!r} and rope_type "
+                          f"{src.get('rope_type')!r} disagree")
+    kind = kinds.pop() if kinds else "default"
     if kind == "default":
         return None, theta
     if kind != "yarn":
@@ -349,17 +360,22 @@ def _parse_rope(d: dict[str, Any]) -> tuple[YarnScaling | None, float | None]:
     return YarnScaling(**kw), theta
 
 
-def _check_int(v: Any, field: str, lo: int, also: str = "") -> None:
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+def _check_int(v: Any, field: str, lo: int, also: str = "") -> int:
+    """`v` as a plain int (numpy integers accepted), or ConfigError naming the field and the value."""
+    ok = not isinstance(v, bool | float | str) and hasattr(v, "__index__") and type(v).__name__ != "bool_"
+    if not ok or operator.index(v) < lo:
         want = "a positive integer" if lo == 1 else f"an integer >= {lo}"
         raise ConfigError(f"config field `{field}`: must be {also}{want}, got {v!r}")
+    return operator.index(v)
 
 
-def _check_float(v: Any, field: str, *, positive: bool) -> None:
-    ok = isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
-    if not ok or (positive and v <= 0):
+def _check_float(v: Any, field: str, *, positive: bool) -> float:
+    """`v` as a plain float (ints and numpy numbers accepted), or ConfigError naming the field."""
+    ok = isinstance(v, numbers.Real) and not isinstance(v, bool) and type(v).__name__ != "bool_"
+    if not ok or not math.isfinite(v) or (positive and v <= 0):
         want = "a finite number > 0" if positive else "a finite number"
         raise ConfigError(f"config field `{field}`: must be {want}, got {v!r}")
+    return float(v)
 
 
 def read_generation_config(path: str | Path) -> dict[str, Any]:

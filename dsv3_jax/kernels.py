@@ -1,8 +1,9 @@
 """The one dispatch point between the model and `pallas_kernels`.
 
 Owns: the choice between a Pallas Mosaic GPU kernel and its plain-`jnp` reference for the FP8 linears,
-the expert grouped matmul and MLA attention. "auto" picks Pallas on a Hopper GPU and the reference
-elsewhere (logged once); `force("pallas" | "reference")` or the env var DSV3_KERNELS overrides it.
+the expert grouped matmul (FP8 or bf16/fp16 weights) and MLA attention. "auto" picks Pallas on a
+Hopper GPU and the reference elsewhere (logged once); `force("pallas" | "reference")` or the env var
+DSV3_KERNELS overrides it.
 The choice is read at trace time, so a jitted function keeps the backend it was traced with.
 Must not know about layers, configs or meshes: arrays in, arrays out.
 """
@@ -94,6 +95,8 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
 
     Only the rows' own groups are computed (a grouped GEMM, never a dense all-experts product).
     Rows past sum(group_sizes) come back as zeros. With `w_scale`, W is FP8 and x is quantized.
+    Otherwise W is cast to x's dtype (the compute dtype): bf16/fp16 run the Pallas grouped GEMM on
+    Hopper (accumulating in fp32), anything else the jnp segment-matmul reference (logged once).
     """
     gs = group_sizes.astype(jnp.int32)
     if w_scale is not None:
@@ -104,8 +107,21 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
         from pallas_kernels import fp8_reference
 
         return fp8_reference.fp8_grouped_linear_reference(x, w, w_scale, gs, out_dtype=x.dtype)
-    return jax.lax.ragged_dot(x, jnp.swapaxes(w, 1, 2).astype(x.dtype), gs,
-                              preferred_element_type=jnp.float32).astype(x.dtype)
+    from pallas_kernels.grouped_gemm import DTYPES, grouped_gemm, grouped_gemm_reference
+
+    w = w.astype(x.dtype)
+    if backend() == "pallas":
+        if x.dtype in DTYPES:
+            # Off the GPU (forced "pallas" in tests) the kernel runs in Pallas' GPU interpreter.
+            return grouped_gemm(x, w, gs, out_dtype=x.dtype, interpret=jax.default_backend() != "gpu")
+        _log_grouped_dtype_fallback(str(x.dtype))
+    return grouped_gemm_reference(x, w, gs, out_dtype=x.dtype)
+
+
+@functools.cache
+def _log_grouped_dtype_fallback(dtype: str) -> None:
+    log.warning("dsv3_jax.kernels: the grouped GEMM kernel takes bf16/fp16; %s experts use the jnp "
+                "reference", dtype)
 
 
 # ------------------------------------------------------------------------------- MLA attention

@@ -236,6 +236,141 @@ def plan(cfg: ModelConfig, mesh: str | Mapping[str, int] | Any, *, dtype: str = 
                 batch_shards=sharding.mesh_size(sharding.LOGICAL_RULES["batch"], sizes))
 
 
+DEFAULT_MEMORY_FRACTION = 0.90  # like vLLM's --gpu-memory-utilization: weights + activations + KV pages
+
+
+def activation_estimate(cfg: ModelConfig, sizes: Mapping[str, int], *, max_batched_tokens: int,
+                        max_batch: int, max_model_len: int) -> int:
+    """Peak transient bytes of one engine step on one device (fp32 intermediates), an upper estimate.
+
+    Terms, per device (tokens and sequences are split over the batch shards, heads / vocab / FFN over
+    `tensor`): the residual stream and its per-layer intermediates (16 x D per token), the absorbed
+    attention's queries and scores (heads x (576 + max_model_len) per token: XLA materializes the
+    scores), the MoE's gathered group tokens (expert x D per token) and expert intermediates
+    (k x 3 x FFN width), and the sampled rows' logits (3 copies of V: logits, probabilities, sort).
+    An engine that measured its compiled step passes the measured bytes to `pool_plan` instead.
+    """
+    shards = sharding.mesh_size(sharding.LOGICAL_RULES["batch"], sizes)
+    t, ep = sizes["tensor"], sizes["expert"]
+    tok = -(-max_batched_tokens // shards)
+    rows = -(-max_batch // shards)
+    heads = cfg.num_attention_heads // t
+    per_token = (16 * cfg.hidden_size + heads * (cfg.latent_dim + max_model_len)
+                 + ep * cfg.hidden_size + cfg.num_experts_per_tok * 3 * cfg.moe_intermediate_size // t)
+    return 4 * (tok * per_token + rows * 3 * cfg.vocab_size // t)
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolPlan:
+    """The engine's page pool sized from device memory: bytes per device, pages per batch shard."""
+
+    mesh: dict[str, int]
+    page_size: int
+    max_model_len: int
+    device_memory: int
+    memory_fraction: float
+    weight_bytes_per_device: int
+    activation_bytes_per_device: int
+    activations_measured: bool
+    page_bytes_per_device: int  # one page (all layers) on the device holding it
+    batch_shards: int
+    pages_per_shard: int  # including the shard's scratch page
+
+    @property
+    def num_pages(self) -> int:
+        """Pages of the whole pool (EngineConfig.num_pages); each batch shard's devices hold 1/d."""
+        return self.pages_per_shard * self.batch_shards
+
+    @property
+    def kv_bytes_per_device(self) -> int:
+        return self.pages_per_shard * self.page_bytes_per_device
+
+    @property
+    def kv_tokens_per_shard(self) -> int:
+        return (self.pages_per_shard - 1) * self.page_size
+
+    @property
+    def pages_per_request(self) -> int:
+        return -(-self.max_model_len // self.page_size)
+
+    @property
+    def max_requests_per_shard(self) -> int:
+        return (self.pages_per_shard - 1) // self.pages_per_request
+
+    @property
+    def max_requests(self) -> int:
+        """Requests of max_model_len tokens that fit at once, all shards (each request lives on one)."""
+        return self.max_requests_per_shard * self.batch_shards
+
+    def summary(self) -> str:
+        m = ",".join(f"{a}={self.mesh[a]}" for a in ("data", "tensor", "expert"))
+        act = "measured" if self.activations_measured else "estimated"
+        rows = [
+            ("mesh", f"{m} ({self.batch_shards} batch shards, each its own page slice)"),
+            ("device memory x fraction", f"{fmt_bytes(self.device_memory)} x {self.memory_fraction:g}"),
+            ("weights per device", fmt_bytes(self.weight_bytes_per_device)),
+            (f"activations per device ({act})", fmt_bytes(self.activation_bytes_per_device)),
+            ("KV pages per device", f"{fmt_bytes(self.kv_bytes_per_device)} = {self.pages_per_shard:,} x "
+                                    f"{self.page_bytes_per_device:,} B ({self.page_size}-token pages)"),
+            ("KV tokens per shard / total", f"{self.kv_tokens_per_shard:,} / "
+                                            f"{self.kv_tokens_per_shard * self.batch_shards:,}"),
+            (f"{self.max_model_len:,}-token requests per shard / total",
+             f"{self.max_requests_per_shard:,} / {self.max_requests:,}"),
+        ]
+        w = max(len(k) for k, _ in rows)
+        return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
+
+
+def pool_plan(cfg: ModelConfig, mesh: str | Mapping[str, int] | Any, *, dtype: str = "bf16",
+              max_model_len: int, device_memory: int | str,
+              memory_fraction: float = DEFAULT_MEMORY_FRACTION, page_size: int | None = None,
+              form: str = "absorbed", cache_dtype: Any = None, mtp: bool = False,
+              max_batched_tokens: int = 512, max_batch: int = 32, activation_bytes: int | None = None,
+              params_or_shapes: Any = None, include_mtp: bool = True) -> PoolPlan:
+    """Size the engine's page pool: what `memory_fraction` of each device leaves after the weights and
+    one step's activations, in whole pages (the cache layout of cache.py, sharded by sharding.CACHE_AXES:
+    each batch shard's devices hold only that shard's slice). Raises PlanError, with the numbers, when
+    not even one `max_model_len`-token request fits a shard's slice.
+    """
+    from dsv3_jax import cache as kv_cache
+
+    if not 0 < memory_fraction <= 1:
+        raise ValueError(f"memory fraction must lie in (0, 1], got {memory_fraction!r}")
+    if isinstance(max_model_len, bool) or not isinstance(max_model_len, int | np.integer) \
+            or max_model_len < 1:
+        raise ValueError(f"max_model_len must be an integer >= 1, got {max_model_len!r}")
+    if max_model_len > cfg.max_position_embeddings:
+        raise ValueError(f"max_model_len {max_model_len:,} exceeds the model's context "
+                         f"({cfg.max_position_embeddings:,} tokens)")
+    page_size = kv_cache.PAGE_SIZE if page_size is None else int(page_size)
+    weights = plan(cfg, mesh, dtype=dtype, max_seq_len=max_model_len, device_memory=device_memory,
+                   reserve=0, params_or_shapes=params_or_shapes, include_mtp=include_mtp)
+    sizes, d = weights.mesh, weights.batch_shards
+    two_pages_each = jax.eval_shape(lambda: kv_cache.allocate(cfg, 2 * d, page_size, form, cache_dtype,
+                                                              mtp=mtp))
+    page_bytes = cache_bytes_per_device(two_pages_each, sizes) // 2
+    measured = activation_bytes is not None
+    act = int(activation_bytes) if measured else activation_estimate(
+        cfg, sizes, max_batched_tokens=max_batched_tokens, max_batch=max_batch, max_model_len=max_model_len)
+    budget = int(memory_fraction * weights.device_memory) - weights.weight_bytes_per_device - act
+    pages = max(budget, 0) // page_bytes
+    p = PoolPlan(mesh=sizes, page_size=page_size, max_model_len=max_model_len,
+                 device_memory=weights.device_memory, memory_fraction=float(memory_fraction),
+                 weight_bytes_per_device=weights.weight_bytes_per_device, activation_bytes_per_device=act,
+                 activations_measured=measured, page_bytes_per_device=page_bytes, batch_shards=d,
+                 pages_per_shard=int(pages))
+    if p.pages_per_shard < 1 + p.pages_per_request:
+        have = max(p.pages_per_shard - 1, 0)
+        raise PlanError(
+            f"no room for one {max_model_len:,}-token request: {memory_fraction:g} x "
+            f"{fmt_bytes(p.device_memory)} minus {fmt_bytes(p.weight_bytes_per_device)} of weights and "
+            f"{fmt_bytes(act)} of activations leaves {fmt_bytes(max(budget, 0))} per device = {have} "
+            f"usable pages, but one request needs {p.pages_per_request} pages "
+            f"({fmt_bytes(p.pages_per_request * page_bytes)}). Try a shorter --max-model-len, a larger "
+            f"--memory-fraction, fewer --max-batched-tokens, or more devices.\n" + p.summary())
+    return p
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from dsv3_jax.cli import check_mesh, parse_dtype, report_error
 

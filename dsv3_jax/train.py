@@ -1,12 +1,15 @@
-"""Training a small DeepSeek-V3-architecture model with its MTP head (for speculative-decoding tests).
+"""Training small DeepSeek-V3-architecture models with their MTP head (the shipped default model, tests).
 
-Owns: the `small-mtp` config, the corpus (the Python standard library's .py files through the real
-tokenizer, split by file into train / held-out token streams), the objective (next-token cross-entropy
-+ lambda x the MTP cross-entropy on token i+2, MTP embedding and head shared with the main model as in
-DeepSeek-V3), the aux-loss-free router-bias update, AdamW with warmup + cosine, the jitted train step,
-evaluation (next-token accuracy, MTP accuracy, MTP/main agreement = greedy k=1 acceptance), moving
-trained weights around (vocabulary compaction for small transfers) and `save_checkpoint` (an HF
-directory `dsv3_jax.load` reads). CLI: `python -m dsv3_jax.train --preset small-mtp --steps N ...`.
+Owns: the `small-mtp` and `dsv3-small` configs, the corpus (the Python standard library's .py files
+through the real tokenizer, split by file into train / held-out token streams), the objective
+(next-token cross-entropy + lambda x the MTP cross-entropy on token i+2, MTP embedding and head shared
+with the main model as in DeepSeek-V3), the aux-loss-free router-bias update, AdamW with warmup +
+cosine, the jitted train step, evaluation (next-token accuracy, MTP accuracy, MTP/main agreement =
+greedy k=1 acceptance), the compact vocabulary (`VocabMap`: rare and unseen tokens share one embedding
+/ head row, so training computes logits over ~16K rows and the weights ship small; the
+full-vocabulary model is exactly the compact one expanded), moving trained weights around
+(`export_compact` / `import_compact`, the shipped default's storage form) and `save_checkpoint` (an
+HF directory `dsv3_jax.load` reads). CLI: `python -m dsv3_jax.train --preset dsv3-small ...`.
 Must not own the model math (model.py) or the HF name mapping (convert/hf_names.py, tree_to_hf.py).
 """
 
@@ -45,7 +48,21 @@ SMALL_MTP = ModelConfig(
     max_position_embeddings=4096, rope_scaling=None, num_nextn_predict_layers=1, bos_token_id=0,
     eos_token_id=1, dtype="bfloat16",
 )
-TRAIN_PRESETS: dict[str, ModelConfig] = {"small-mtp": SMALL_MTP}
+# The shipped default model (dsv3_jax/default_model): every DeepSeek-V3 mechanism at the REAL MLA widths
+# (16 heads, q LoRA, kv_lora 512, rope 64, nope / v 128: the Pallas MLA kernel's shapes), 1 dense + 2 MoE
+# layers (4 groups of 4 routed experts of width 64, top-2 groups, 4 per token, + a shared expert) and
+# the MTP layer. Trained with plain RoPE over 512-token windows; the shipped config adds YaRN over that
+# original context (`ship_config`). ~15M parameters outside the vocabulary tables, whose attention
+# (kv_b alone is 2.1M per layer) is what the 40 MB budget pays for.
+DSV3_SMALL = ModelConfig(
+    vocab_size=129280, hidden_size=256, intermediate_size=512, moe_intermediate_size=64,
+    num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=16, n_shared_experts=1,
+    num_experts_per_tok=4, n_group=4, topk_group=2, routed_scaling_factor=2.5, num_attention_heads=16,
+    q_lora_rank=64, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+    max_position_embeddings=512, rope_scaling=None, num_nextn_predict_layers=1, bos_token_id=0,
+    eos_token_id=1, dtype="bfloat16",
+)
+TRAIN_PRESETS: dict[str, ModelConfig] = {"small-mtp": SMALL_MTP, "dsv3-small": DSV3_SMALL}
 _TIED = (("mtp", "embed_tokens", "embedding"), ("mtp", "shared_head_head", "weight"))
 
 
@@ -73,6 +90,8 @@ class TrainConfig:
     log_every: int = 50
     seed: int = 0
     time_budget: float | None = None  # seconds of training; caps `steps` after timing the first ones
+    vocab_min_count: int = 0  # > 0: train on the compact vocabulary of tokens seen this often (VocabMap)
+    tie_head: bool = False  # the LM head's rows are the embedding's (one table to store)
 
     def __post_init__(self) -> None:
         for f in ("steps", "batch", "seq_len"):
@@ -80,6 +99,9 @@ class TrainConfig:
                 raise ValueError(f"TrainConfig.{f} must be > 0, got {getattr(self, f)}")
         if self.seq_len < 3:
             raise ValueError(f"TrainConfig.seq_len must be >= 3 (MTP predicts token i+2), got {self.seq_len}")
+        if self.tie_head and not self.vocab_min_count:
+            raise ValueError("TrainConfig.tie_head needs vocab_min_count > 0 (a full-vocabulary tied table "
+                             "keeps random rows for unseen tokens)")
 
 
 # ------------------------------------------------------------------------------------------- corpus
@@ -115,6 +137,15 @@ def is_heldout(path: Path, every: int) -> bool:
     return zlib.crc32(str(Path(path.parent.name) / path.name).encode()) % every == 0
 
 
+def tokenize_files(tokenizer: Any, files: Sequence[Path]) -> list[np.ndarray]:
+    """Each file as [BOS] + its tokens + [EOS] (uint32), the corpus' unit."""
+    texts = [Path(f).read_text(encoding="utf-8", errors="replace") for f in files]
+    encs = tokenizer.backend.encode_batch(texts, add_special_tokens=False)
+    bos, eos = tokenizer.bos_id, tokenizer.eos_id
+    return [np.asarray([*([bos] if bos is not None else []), *e.ids, *([eos] if eos is not None else [])],
+                       np.uint32) for e in encs]
+
+
 def build_corpus(tokenizer: Any, files: Sequence[Path] | None = None, heldout_every: int = 40) -> Corpus:
     """Tokenize `files` (default: `stdlib_files()`) with `tokenizer` (a dsv3_jax Tokenizer)."""
     files = list(files if files is not None else stdlib_files())
@@ -122,13 +153,9 @@ def build_corpus(tokenizer: Any, files: Sequence[Path] | None = None, heldout_ev
         raise ValueError("build_corpus: no files to tokenize")
     if heldout_every < 2:
         raise ValueError(f"heldout_every must be >= 2, got {heldout_every}")
-    texts = [f.read_text(encoding="utf-8", errors="replace") for f in files]
-    encs = tokenizer.backend.encode_batch(texts, add_special_tokens=False)
-    bos, eos = tokenizer.bos_id, tokenizer.eos_id
     parts: dict[bool, list[np.ndarray]] = {True: [], False: []}
-    for f, e in zip(files, encs, strict=True):
-        ids = [*([bos] if bos is not None else []), *e.ids, *([eos] if eos is not None else [])]
-        parts[is_heldout(f, heldout_every)].append(np.asarray(ids, np.uint32))
+    for f, ids in zip(files, tokenize_files(tokenizer, files), strict=True):
+        parts[is_heldout(f, heldout_every)].append(ids)
     if not parts[True] or not parts[False]:
         raise ValueError(f"build_corpus: the split of {len(files)} files left one side empty; "
                          "pass more files or a smaller heldout_every")
@@ -152,6 +179,57 @@ def sample_batch(rng: np.random.Generator, stream: np.ndarray, batch: int, seq_l
     return stream[starts[:, None] + np.arange(seq_len)].astype(np.int32)
 
 
+@dataclasses.dataclass(frozen=True)
+class VocabMap:
+    """The compact vocabulary: tokens seen >= min_count times in the train split keep their own row (in id
+    order), every other token of the full vocabulary shares the last row.
+
+    A model over the compact rows IS a full-vocabulary model whose shared tokens have equal embedding and
+    head rows: each of the `n_shared` tokens gets the shared row's logit z, so the full softmax equals the
+    compact one with z + log(n_shared) in the shared column (`shared_column`), and the full cross-entropy
+    of a shared target is the compact one + log(n_shared). Training and evaluation use that identity.
+    """
+
+    kept: np.ndarray  # int32 [R], full ids with their own row
+    vocab_size: int
+
+    @classmethod
+    def from_stream(cls, stream: np.ndarray, vocab_size: int, min_count: int) -> VocabMap:
+        if min_count < 1:
+            raise ValueError(f"min_count must be >= 1, got {min_count}")
+        counts = np.bincount(np.asarray(stream, np.int64), minlength=vocab_size)
+        if len(counts) > vocab_size:
+            raise ValueError(f"stream has token ids >= vocab_size={vocab_size}")
+        return cls(np.flatnonzero(counts >= min_count).astype(np.int32), vocab_size)
+
+    @property
+    def rows(self) -> int:
+        return len(self.kept) + 1
+
+    @property
+    def n_shared(self) -> int:
+        return self.vocab_size - len(self.kept)
+
+    def shared_column(self) -> tuple[int, float]:
+        """(the shared row's index, log of how many full-vocabulary tokens it stands for)."""
+        return len(self.kept), math.log(self.n_shared)
+
+    def index(self) -> np.ndarray:
+        """int32 [vocab_size]: full id -> compact row."""
+        idx = np.full(self.vocab_size, len(self.kept), np.int32)
+        idx[self.kept] = np.arange(len(self.kept), dtype=np.int32)
+        return idx
+
+    def to_compact(self, stream: np.ndarray) -> np.ndarray:
+        return self.index()[np.asarray(stream, np.int64)].astype(np.uint32)
+
+    def to_full(self, ids: np.ndarray) -> np.ndarray:
+        """Compact ids -> full ids (the shared row -> its lowest full id, the full model's argmax)."""
+        shared_ids = np.setdiff1d(np.arange(self.vocab_size), self.kept, assume_unique=True)
+        lut = np.concatenate([self.kept, shared_ids[:1]]).astype(np.int32)
+        return lut[np.asarray(ids)]
+
+
 # ------------------------------------------------------------------------------------- parameters
 def compute_dtype() -> jnp.dtype:
     """bf16 on an accelerator, fp32 on CPU (bf16 matmuls are slow and imprecise there)."""
@@ -164,8 +242,9 @@ def _get(tree: dict, path: tuple[str, ...]) -> Any:
     return tree
 
 
-def init_params(cfg: ModelConfig, key: jax.Array) -> dict[str, Any]:
-    """fp32 training parameters: the whole tree minus the MTP copies of the embedding and head (shared).
+def init_params(cfg: ModelConfig, key: jax.Array, tie_head: bool = False) -> dict[str, Any]:
+    """fp32 training parameters: the whole tree minus the MTP copies of the embedding and head (shared),
+    and minus lm_head itself with `tie_head` (its rows are the embedding's).
 
     lm_head starts at zero: every row of a token the corpus never contains then receives the same
     updates, so those rows stay equal (and `restrict_vocab` can store one of them for all).
@@ -174,6 +253,8 @@ def init_params(cfg: ModelConfig, key: jax.Array) -> dict[str, Any]:
     params = jax.jit(lambda k: model.init(k, jnp.zeros((1, 4), jnp.int32), method=model.init_all))(key)
     params = jax.tree_util.tree_map(lambda x: x, params["params"])  # a plain mutable dict tree
     params["lm_head"]["weight"] = jnp.zeros_like(params["lm_head"]["weight"])
+    if tie_head:
+        del params["lm_head"]
     if "mtp" in params:
         for path in _TIED:
             del params[path[0]][path[1]]
@@ -181,7 +262,10 @@ def init_params(cfg: ModelConfig, key: jax.Array) -> dict[str, Any]:
 
 
 def tie_mtp(params: dict[str, Any]) -> dict[str, Any]:
-    """The model's full tree: the MTP embedding / head are the main model's (DeepSeek-V3 shares them)."""
+    """The model's full tree: the MTP embedding / head are the main model's (DeepSeek-V3 shares them);
+    a tree trained with a tied head (no lm_head) gets the embedding as its head."""
+    if "lm_head" not in params:
+        params = {**params, "lm_head": {"weight": params["embed_tokens"]["embedding"]}}
     if "mtp" not in params or "embed_tokens" in params["mtp"]:
         return params
     mtp = {**params["mtp"], "embed_tokens": {"embedding": params["embed_tokens"]["embedding"]},
@@ -232,11 +316,23 @@ def restrict_vocab(params: dict[str, Any], used: np.ndarray) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------- objective
-def _ce_and_top1(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Per-position cross-entropy and top-1 hit for logits [..., V] (fp32) and targets [...]."""
+Shared = tuple[int, float] | None  # VocabMap.shared_column() of a compact-vocabulary model, or None
+
+
+def _ce_and_top1(logits: jax.Array, targets: jax.Array, shared: Shared = None) -> tuple[jax.Array, jax.Array]:
+    """Per-position cross-entropy and top-1 hit for logits [..., V] (fp32) and targets [...], both those
+    of the full-vocabulary model when `shared` describes a compact one (see `VocabMap`)."""
+    hit = jnp.argmax(logits, -1) == targets
+    if shared is not None:
+        row, log_n = shared
+        logits = logits.at[..., row].add(log_n)
+        hit = hit & (targets != row)  # the full model's argmax is one shared token, the target another
     lse = jax.nn.logsumexp(logits, axis=-1)
     tgt = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    return lse - tgt, (jnp.argmax(logits, -1) == targets)
+    ce = lse - tgt
+    if shared is not None:
+        ce = ce + jnp.where(targets == shared[0], shared[1], 0.0)
+    return ce, hit
 
 
 def forward_both(model: Transformer, params: dict[str, Any], tokens: jax.Array, collect: bool = False):
@@ -253,11 +349,11 @@ def forward_both(model: Transformer, params: dict[str, Any], tokens: jax.Array, 
 
 
 def loss_fn(model: Transformer, params: dict[str, Any], tokens: jax.Array, mtp_weight: float,
-            dtype: jnp.dtype):
+            dtype: jnp.dtype, shared: Shared = None):
     """L = CE(next token) + mtp_weight * CE_MTP(token i+2); returns (L, (metrics, router choices))."""
     logits, mtp_logits, inter = forward_both(model, cast_for_compute(params, dtype), tokens, collect=True)
-    ce, hit = _ce_and_top1(logits[:, :-1], tokens[:, 1:])
-    mce, mhit = _ce_and_top1(mtp_logits[:, :-1], tokens[:, 2:])
+    ce, hit = _ce_and_top1(logits[:, :-1], tokens[:, 1:], shared)
+    mce, mhit = _ce_and_top1(mtp_logits[:, :-1], tokens[:, 2:], shared)
     loss = ce.mean() + mtp_weight * mce.mean()
     metrics = {"loss": loss, "main_ce": ce.mean(), "mtp_ce": mce.mean(), "main_acc": hit.mean(),
                "mtp_acc": mhit.mean()}
@@ -303,14 +399,14 @@ def lr_at(step: int, total: int, tc: TrainConfig) -> float:
     return tc.peak_lr * (tc.min_lr_ratio + (1 - tc.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
-def make_train_step(cfg: ModelConfig, tc: TrainConfig, dtype: jnp.dtype) -> Callable:
+def make_train_step(cfg: ModelConfig, tc: TrainConfig, dtype: jnp.dtype, shared: Shared = None) -> Callable:
     """jitted (params, opt_state, tokens [B,T], lr) -> (params, opt_state, metrics)."""
     model = Transformer(cfg.replace(dtype=jnp.dtype(dtype).name), jnp.float32, False, "naive")
     tx = make_optimizer(tc)
 
     def step(params, opt_state, tokens, lr):
         grads, (metrics, inter) = jax.grad(
-            lambda p: loss_fn(model, p, tokens, tc.mtp_weight, dtype), has_aux=True)(params)
+            lambda p: loss_fn(model, p, tokens, tc.mtp_weight, dtype, shared), has_aux=True)(params)
         metrics["grad_norm"] = optax.global_norm(grads)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, jax.tree_util.tree_map(lambda u: lr * u, updates))
@@ -321,15 +417,15 @@ def make_train_step(cfg: ModelConfig, tc: TrainConfig, dtype: jnp.dtype) -> Call
 
 
 # ------------------------------------------------------------------------------------ evaluation
-def make_eval(cfg: ModelConfig, dtype: jnp.dtype) -> Callable:
+def make_eval(cfg: ModelConfig, dtype: jnp.dtype, shared: Shared = None) -> Callable:
     """jitted (params, tokens [B,T]) -> sums: main CE/hits over T-1 targets, MTP CE/hits and agreement
     with the main model's greedy token over T-2 positions (the teacher-forced acceptance proxy)."""
     model = Transformer(cfg.replace(dtype=jnp.dtype(dtype).name), jnp.float32, False, "naive")
 
     def ev(params, tokens):
         logits, mtp_logits, _ = forward_both(model, cast_for_compute(params, dtype), tokens)
-        ce, hit = _ce_and_top1(logits[:, :-1], tokens[:, 1:])
-        mce, mhit = _ce_and_top1(mtp_logits[:, :-1], tokens[:, 2:])
+        ce, hit = _ce_and_top1(logits[:, :-1], tokens[:, 1:], shared)
+        mce, mhit = _ce_and_top1(mtp_logits[:, :-1], tokens[:, 2:], shared)
         agree = jnp.argmax(mtp_logits[:, :-1], -1) == jnp.argmax(logits[:, 1:-1], -1)
         return {"main_ce": ce.sum(), "main_hits": hit.sum(), "n_main": ce.size, "mtp_ce": mce.sum(),
                 "mtp_hits": mhit.sum(), "agree": agree.sum(), "n_mtp": mce.size}
@@ -421,9 +517,9 @@ def _unflatten(flat: dict[str, Any]) -> dict[str, Any]:
 
 def export_compact(params: dict[str, Any], used: np.ndarray, dst: str | Path, *,
                    part_bytes: int = 15 * 1024**2, dtype: str = "bfloat16") -> list[Path]:
-    """Training params (after `restrict_vocab`) as `compact.part-NNN` files of <= part_bytes: one
-    safetensors blob, floats in `dtype` (router bias fp32), embedding / head rows of `used` tokens only
-    plus the one shared head row of the rest. `import_compact` inverts it."""
+    """Full-vocabulary training params (after `restrict_vocab`) as `compact.part-NNN` files of <=
+    part_bytes: one safetensors blob, floats in `dtype` (router bias fp32), embedding / head rows of
+    `used` tokens only plus the one shared head row of the rest. `import_compact` inverts it."""
     used = np.asarray(used, bool)
     flat = {k: np.asarray(v) for k, v in _flatten(jax.tree_util.tree_map(np.asarray, params)).items()}
     head = flat["lm_head/weight"]
@@ -431,13 +527,37 @@ def export_compact(params: dict[str, Any], used: np.ndarray, dst: str | Path, *,
         flat["lm_head_fill"] = head[np.argmin(used)]
     flat["embed_tokens/embedding"] = flat["embed_tokens/embedding"][used]
     flat["lm_head/weight"] = head[used]
-    np_dt = np.dtype(jnp.dtype(dtype))
-    flat = {k: v if k.endswith("e_score_correction_bias") else v.astype(np_dt) for k, v in flat.items()}
     flat["used_ids"] = np.flatnonzero(used).astype(np.int32)
-    dst = Path(dst)
+    return _write_parts(flat, {"vocab_size": str(len(used))}, Path(dst), part_bytes, dtype)
+
+
+def export_compact_rows(params: dict[str, Any], vm: VocabMap, dst: str | Path, *,
+                        part_bytes: int = 15 * 1024**2, dtype: str = "bfloat16") -> list[Path]:
+    """Compact-vocabulary training params (`train` with `vocab_min_count`) in `export_compact`'s format:
+    the kept tokens' rows, the shared row as `embed_fill` / `lm_head_fill`, no head at all when tied."""
+    flat = {k: np.asarray(v) for k, v in _flatten(jax.tree_util.tree_map(np.asarray, params)).items()}
+    r = len(vm.kept)
+    emb = flat["embed_tokens/embedding"]
+    if emb.shape[0] != vm.rows:
+        raise ValueError(f"embedding has {emb.shape[0]} rows, the vocabulary map {vm.rows}")
+    flat["embed_tokens/embedding"], flat["embed_fill"] = emb[:r], emb[r]
+    tied = "lm_head/weight" not in flat
+    if not tied:
+        head = flat["lm_head/weight"]
+        flat["lm_head/weight"], flat["lm_head_fill"] = head[:r], head[r]
+    flat["used_ids"] = vm.kept.astype(np.int32)
+    meta = {"vocab_size": str(vm.vocab_size), "tied_head": "1" if tied else "0"}
+    return _write_parts(flat, meta, Path(dst), part_bytes, dtype)
+
+
+def _write_parts(flat: dict[str, np.ndarray], meta: dict[str, str], dst: Path, part_bytes: int,
+                 dtype: str) -> list[Path]:
+    np_dt = np.dtype(jnp.dtype(dtype))
+    flat = {k: v if k.endswith("e_score_correction_bias") or k == "used_ids" else v.astype(np_dt)
+            for k, v in flat.items()}
     dst.mkdir(parents=True, exist_ok=True)
     blob_path = dst / "compact.safetensors.tmp"
-    write_safetensors(blob_path, flat, {"vocab_size": str(len(used))})
+    write_safetensors(blob_path, flat, meta)
     blob = blob_path.read_bytes()
     blob_path.unlink()
     files = []
@@ -448,8 +568,14 @@ def export_compact(params: dict[str, Any], used: np.ndarray, dst: str | Path, *,
     return files
 
 
+def has_compact(src: str | Path) -> bool:
+    """Whether `src` holds `export_compact` part files."""
+    return any(Path(src).glob("compact.part-*"))
+
+
 def import_compact(src: str | Path) -> dict[str, Any]:
-    """The training params (numpy, full vocabulary) from `export_compact`'s part files in `src`."""
+    """The training params (numpy, full vocabulary, with lm_head) from `export_compact`'s or
+    `export_compact_rows`' part files in `src`."""
     parts = sorted(Path(src).glob("compact.part-*"))
     if not parts:
         raise FileNotFoundError(f"no compact.part-* files in {src}")
@@ -460,30 +586,50 @@ def import_compact(src: str | Path) -> dict[str, Any]:
         flat = {k: read_tensor(v) for k, v in infos.items()}
     vocab = int(meta["vocab_size"])
     used_ids = flat.pop("used_ids")
-    fill = flat.pop("lm_head_fill", None)
-    emb, head = flat["embed_tokens/embedding"], flat["lm_head/weight"]
-    full_emb = np.zeros((vocab, emb.shape[1]), emb.dtype)
-    full_emb[used_ids] = emb
-    full_head = np.broadcast_to(fill if fill is not None else np.zeros_like(head[0]),
-                                (vocab, head.shape[1])).copy()
-    full_head[used_ids] = head
-    flat["embed_tokens/embedding"], flat["lm_head/weight"] = full_emb, full_head
+
+    def expand(rows: np.ndarray, fill: np.ndarray | None) -> np.ndarray:
+        full = np.broadcast_to(fill if fill is not None else np.zeros_like(rows[0]),
+                               (vocab, rows.shape[1])).copy()
+        full[used_ids] = rows
+        return full
+
+    emb_fill, head_fill = flat.pop("embed_fill", None), flat.pop("lm_head_fill", None)
+    flat["embed_tokens/embedding"] = expand(flat["embed_tokens/embedding"], emb_fill)
+    if meta.get("tied_head") == "1":
+        flat["lm_head/weight"] = flat["embed_tokens/embedding"].copy()
+    else:
+        flat["lm_head/weight"] = expand(flat["lm_head/weight"], head_fill)
     return _unflatten(flat)
 
 
 # ---------------------------------------------------------------------------------------- training
 def train(cfg: ModelConfig, tc: TrainConfig, corpus: Corpus, log: Callable[[str], None] = print
           ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Train from scratch; returns (fp32 training params after `restrict_vocab`, history dict)."""
+    """Train from scratch; returns (fp32 training params, history dict).
+
+    Full vocabulary (`tc.vocab_min_count` 0): the params come back after `restrict_vocab`. Compact
+    vocabulary: they are over `compact_vocab(...)`'s rows (`export_compact_rows` stores them), and every
+    reported loss is the full-vocabulary model's (see `VocabMap`).
+    """
     if cfg.num_nextn_predict_layers != 1:
         raise ValueError("train: the objective needs exactly one MTP layer (num_nextn_predict_layers=1)")
     dtype = compute_dtype()
-    params = init_params(cfg, jax.random.key(tc.seed))
+    vm = compact_vocab(corpus, cfg, tc)
+    shared = vm.shared_column() if vm is not None else None
+    if vm is not None:
+        cfg = cfg.replace(vocab_size=vm.rows)
+        corpus = Corpus(vm.to_compact(corpus.train), vm.to_compact(corpus.heldout), corpus.n_train_files,
+                        corpus.n_heldout_files)
+    params = init_params(cfg, jax.random.key(tc.seed), tc.tie_head)
     opt_state = make_optimizer(tc).init(params)
-    step_fn = make_train_step(cfg, tc, dtype)
-    ev = make_eval(cfg, dtype)
+    step_fn = make_train_step(cfg, tc, dtype, shared)
+    ev = make_eval(cfg, dtype, shared)
     used = np.zeros(cfg.vocab_size, bool)
     used[corpus.train] = True
+    if vm is not None:
+        restrict = lambda p: p  # noqa: E731  (rare and unseen tokens already share one row)
+    else:
+        restrict = lambda p: restrict_vocab(p, used)  # noqa: E731
     held = windows(corpus.heldout, tc.seq_len)
     eb = min(tc.batch, len(held))
     rng = np.random.default_rng(tc.seed)
@@ -511,7 +657,7 @@ def train(cfg: ModelConfig, tc: TrainConfig, corpus: Corpus, log: Callable[[str]
             log(f"step {step + 1}/{total} loss {m['loss']:.3f} main {m['main_ce']:.3f} mtp {m['mtp_ce']:.3f} "
                 f"acc {m['main_acc']:.3f}/{m['mtp_acc']:.3f} |g| {m['grad_norm']:.2f} {m['elapsed']:.0f}s")
         if tc.eval_every and (step + 1) % tc.eval_every == 0 and step + 1 < total:
-            e = evaluate(ev, restrict_vocab(params, used), held[: max(tc.eval_windows, eb)], eb)
+            e = evaluate(ev, restrict(params), held[: max(tc.eval_windows, eb)], eb)
             e["step"] = step + 1
             hist["eval"].append(e)
             log(f"  eval@{step + 1}: main ce {e['main_ce']:.3f} acc {e['main_acc']:.3f} | mtp ce "
@@ -524,15 +670,26 @@ def train(cfg: ModelConfig, tc: TrainConfig, corpus: Corpus, log: Callable[[str]
     if t_timed is not None and done > timed_from:
         # Throughput over the steps after compilation (includes the periodic evals' pauses).
         hist["tokens_per_s"] = (done - timed_from) * tc.batch * tc.seq_len / (t_end - t_timed)
-    params = restrict_vocab(params, used)
+    params = restrict(params)
     final = evaluate(ev, params, held, eb)
     final["step"] = done
     hist["final_eval"] = final
     hist["used_vocab"] = int(used.sum())
+    if vm is not None:
+        hist["vocab"] = {"rows": vm.rows, "kept": len(vm.kept), "n_shared": vm.n_shared,
+                         "min_count": tc.vocab_min_count, "tied_head": tc.tie_head,
+                         "heldout_shared_fraction": float((corpus.heldout == shared[0]).mean())}
     log(f"final held-out ({final['tokens']:.0f} tokens): main ce {final['main_ce']:.3f} acc "
         f"{final['main_acc']:.3f} | mtp ce {final['mtp_ce']:.3f} acc {final['mtp_acc']:.3f} | "
         f"agree {final['acceptance_proxy']:.3f}")
     return params, hist
+
+
+def compact_vocab(corpus: Corpus, cfg: ModelConfig, tc: TrainConfig) -> VocabMap | None:
+    """The `VocabMap` training uses (None for full-vocabulary training): a function of the train split."""
+    if not tc.vocab_min_count:
+        return None
+    return VocabMap.from_stream(corpus.train, cfg.vocab_size, tc.vocab_min_count)
 
 
 def greedy_acceptance(cfg: ModelConfig, params: dict[str, Any], heldout: np.ndarray, *, prompts: int,
@@ -545,6 +702,17 @@ def greedy_acceptance(cfg: ModelConfig, params: dict[str, Any], heldout: np.ndar
     _, ok, n = make_greedy_acceptance(cfg, compute_dtype(), n_new)(params, jnp.asarray(p))
     return {"greedy_acceptance": float(ok) / float(n), "drafts": int(n), "prompts": len(p),
             "prompt_len": prompt_len, "new_tokens": n_new}
+
+
+def ship_config(cfg: ModelConfig, train_len: int, yarn_factor: float) -> ModelConfig:
+    """The config a model trained with plain RoPE over `train_len`-token windows ships with: YaRN with
+    `yarn_factor` over that original context (DeepSeek-V3's pattern: original 4096, factor 40)."""
+    from dsv3_jax.config import YarnScaling
+
+    if yarn_factor <= 1:
+        return cfg.replace(rope_scaling=None, max_position_embeddings=train_len)
+    yarn = YarnScaling(factor=float(yarn_factor), original_max_position_embeddings=train_len)
+    return cfg.replace(rope_scaling=yarn, max_position_embeddings=int(train_len * yarn_factor))
 
 
 def _load_tokenizer(required: bool):
@@ -579,13 +747,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--greedy-prompts", type=int, default=32)
     ap.add_argument("--greedy-new", type=int, default=128)
     ap.add_argument("--from-compact", type=Path, help="skip training: rebuild --out from compact parts")
+    ap.add_argument("--vocab-min-count", type=int, default=0,
+                    help="compact vocabulary: own rows for tokens seen this often, one shared row")
+    ap.add_argument("--tie-head", action="store_true", help="LM head rows = embedding rows (needs the above)")
+    ap.add_argument("--yarn-factor", type=float, default=None,
+                    help="YaRN factor over --seq-len for checkpoints written (training: plain RoPE)")
     a = ap.parse_args(argv)
     cfg = preset(a.preset)
 
+    ship = cfg if a.yarn_factor is None else ship_config(cfg, a.seq_len, a.yarn_factor)
     if a.from_compact is not None:
         if a.out is None:
             ap.error("--from-compact needs --out")
-        save_checkpoint(import_compact(a.from_compact), cfg, _load_tokenizer(False), a.out,
+        save_checkpoint(import_compact(a.from_compact), ship, _load_tokenizer(False), a.out,
                         max_shard_bytes=512 * 1024**2)
         print(f"wrote {a.out}")
         return 0
@@ -599,13 +773,17 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{len(corpus.heldout)} held-out ({corpus.n_heldout_files} files) -> {a.save_corpus}")
         return 0
     tc = TrainConfig(steps=a.steps, batch=a.batch, seq_len=a.seq_len, peak_lr=a.lr, warmup=a.warmup,
-                     mtp_weight=a.mtp_weight, eval_every=a.eval_every, seed=a.seed, time_budget=a.time_budget)
+                     mtp_weight=a.mtp_weight, eval_every=a.eval_every, seed=a.seed, time_budget=a.time_budget,
+                     vocab_min_count=a.vocab_min_count, tie_head=a.tie_head)
     print(f"{jax.devices()[0].device_kind}: {cfg.param_count(include_mtp=True) / 1e6:.1f}M params "
           f"({cfg.param_count(activated=True) / 1e6:.1f}M activated), corpus {len(corpus.train)} train / "
           f"{len(corpus.heldout)} held-out tokens", flush=True)
     params, hist = train(cfg, tc, corpus, log=lambda s: print(s, flush=True))
+    vm = compact_vocab(corpus, cfg, tc)
     if a.greedy_prompts > 0:
-        g = greedy_acceptance(cfg, params, corpus.heldout, prompts=a.greedy_prompts,
+        gcfg, held = (cfg, corpus.heldout) if vm is None else (cfg.replace(vocab_size=vm.rows),
+                                                                vm.to_compact(corpus.heldout))
+        g = greedy_acceptance(gcfg, params, held, prompts=a.greedy_prompts,
                               prompt_len=min(128, a.seq_len // 2), n_new=a.greedy_new)
         hist["greedy"] = g
         print(f"greedy k=1 MTP acceptance on the main model's own continuations: "
@@ -615,12 +793,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         a.metrics.parent.mkdir(parents=True, exist_ok=True)
         a.metrics.write_text(json.dumps(hist, indent=2))
     if a.compact_out is not None:
-        used = np.zeros(cfg.vocab_size, bool)
-        used[corpus.train] = True
-        files = export_compact(params, used, a.compact_out)
+        if vm is None:
+            used = np.zeros(cfg.vocab_size, bool)
+            used[corpus.train] = True
+            files = export_compact(params, used, a.compact_out)
+        else:
+            files = export_compact_rows(params, vm, a.compact_out)
         print(f"compact: {len(files)} parts, {sum(f.stat().st_size for f in files) / 2**20:.1f} MiB")
     if a.out is not None:
-        save_checkpoint(params, cfg, _load_tokenizer(False), a.out)
+        if vm is not None:
+            with tempfile.TemporaryDirectory() as tmp:
+                export_compact_rows(params, vm, tmp, dtype="float32")
+                params = import_compact(tmp)
+        save_checkpoint(params, ship, _load_tokenizer(False), a.out)
         print(f"wrote {a.out}")
     return 0
 

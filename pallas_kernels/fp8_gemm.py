@@ -10,8 +10,9 @@ dequantize-then-matmul up to fp32 rounding. No model knowledge here: arrays in, 
 Kernel shape: persistent CTAs (one per SM) walk (row tile, column tile) work items; each CTA runs three
 warpgroups, one issuing TMA loads (warp specialization) and two issuing wgmma. The B operand is the
 weight tile ``(N, K)`` read K-major, which is what FP8 wgmma requires. Row tiles never straddle two
-experts: the tile list is built outside the kernel (``_tile_metadata``) so each tile knows its expert
-and its valid row range, and the epilogue stores only those rows (a power-of-two ladder of TMA stores).
+experts: the tile list is built outside the kernel (``group_tiles.tile_metadata``, shared with the bf16
+``grouped_gemm``) so each tile knows its expert and its valid row range, and the epilogue stores only
+those rows (``group_tiles.store_rows``, a power-of-two ladder of TMA stores).
 Rows at or past ``sum(group_sizes)`` are written as zeros.
 """
 
@@ -27,6 +28,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.fp8_quant import BLOCK, FP8_DTYPE, num_blocks, quantize_act
+from pallas_kernels.group_tiles import store_rows
+from pallas_kernels.group_tiles import tile_metadata as _tile_metadata
 
 _WG_M = 64  # rows per compute warpgroup (wgmma's M)
 _WG_N = 128  # columns per compute warpgroup: one 128-wide weight-scale block
@@ -69,35 +72,6 @@ DECODE_CONFIG = Fp8GemmConfig(wg_split="n", max_concurrent_steps=4)  # 6 stages 
 def default_config(num_rows: int, num_groups: int) -> Fp8GemmConfig:
     """Pick the prefill tiling when groups average at least 64 rows, the decode tiling otherwise."""
     return PREFILL_CONFIG if num_rows >= 64 * num_groups else DECODE_CONFIG
-
-
-def _tile_metadata(group_sizes: jax.Array, num_rows: int, tile_m: int) -> tuple[jax.Array, int]:
-    """Row tiles that never straddle two groups.
-
-    Group ``E`` (one past the last expert) is the tail ``[sum(group_sizes), M)``, written as zeros.
-    Returns ``meta [4, T] int32`` with rows (group, tile_row0, lo, hi): the tile covers rows
-    ``[tile_row0, tile_row0 + tile_m)`` of which ``[lo, hi)`` belong to the group; ``hi == lo`` marks
-    an unused slot. ``T = cdiv(M, tile_m) + E`` is a static bound on the number of tiles.
-    """
-    e = group_sizes.shape[0]
-    gs = group_sizes.astype(jnp.int32)
-    ends = jnp.minimum(jnp.cumsum(gs), num_rows)
-    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
-    total = ends[-1]
-    starts = jnp.concatenate([starts, total[None]])
-    ends = jnp.concatenate([ends, jnp.full((1,), num_rows, jnp.int32)])
-    first = starts // tile_m
-    ntiles = jnp.where(ends > starts, (ends + tile_m - 1) // tile_m - first, 0)
-    tile_end = jnp.cumsum(ntiles)
-    num_slots = -(-num_rows // tile_m) + e
-    t = jnp.arange(num_slots, dtype=jnp.int32)
-    g = jnp.minimum(jnp.searchsorted(tile_end, t, side="right"), e).astype(jnp.int32)
-    row0 = (first[g] + t - (tile_end[g] - ntiles[g])) * tile_m
-    valid = t < tile_end[-1]
-    lo = jnp.where(valid, jnp.maximum(starts[g], row0), 0)
-    hi = jnp.where(valid, jnp.minimum(ends[g], row0 + tile_m), 0)
-    row0 = jnp.where(valid, row0, 0)
-    return jnp.stack([g, row0, lo, hi]).astype(jnp.int32), num_slots
 
 
 def _num_sms() -> int:
@@ -179,19 +153,7 @@ def _kernel_body(
                 plgpu.commit_smem()
                 r_lo = jnp.clip(lo - wg_row0, 0, _WG_M)
                 size = jnp.clip(hi - wg_row0, 0, _WG_M) - r_lo
-                start = r_lo
-                p = _WG_M
-                while p >= 1:
-
-                    @pl.when((size & p) != 0)
-                    def _(start=start, p=p):
-                        plgpu.copy_smem_to_gmem(
-                            o_smem.at[pl.ds(start, p)],
-                            out_gmem.at[pl.ds(wg_row0 + start, p), pl.ds(col0, _WG_N)],
-                        )
-
-                    start = start + (size & p)
-                    p //= 2
+                store_rows(o_smem, out_gmem, wg_row0, r_lo, size, col0, _WG_M)
 
             @pl.when((hi > lo) & (g < num_experts))
             def _matmul():

@@ -320,6 +320,12 @@ def test_api_damaged_checkpoints_name_the_leaf_file_or_tensor(world):
         _edit_json(d / "dsv3_manifest.json", params_dir=where)
         with pytest.raises(CheckpointError, match="params_dir"):
             dsv3_jax.load(d)
+    # A config.json edited after conversion: named leaves, not a Flax error at the first forward.
+    e2 = world["root"] / "ckpt-edited-config"
+    shutil.copytree(world["ckpt"], e2)
+    _edit_json(e2 / "config.json", intermediate_size=96)
+    with pytest.raises(CheckpointError, match="dense_layers.mlp.down_proj.weight: stored .* implies"):
+        dsv3_jax.load(e2)
     # A tokenizer.json that is a symlink out of the checkpoint is not read.
     _edit_json(d / "dsv3_manifest.json", params_dir="params")
     (d / "tokenizer.json").unlink()

@@ -145,6 +145,8 @@ def _phase(dst: Path, tmp: Path) -> str:
         return "after rename"
     if (tmp / COMPLETE_MARKER).exists():
         return "manifest written, not renamed"
+    if (tmp / "config.json").exists():
+        return "finishing (metadata, side files, fsync)"
     if (tmp / JOURNAL).exists():
         return "converting units"
     if tmp.exists():
@@ -177,30 +179,34 @@ def test_force_never_deletes_what_it_did_not_write(source, tmp_path, capsys):
 
 
 def test_second_converter_on_the_same_destination_is_refused(source, tmp_path):
+    """A second converter is refused while the first runs; once the first is SIGKILLed, its lock file
+    is stale (the kernel dropped the flock) and `--resume` takes it and finishes."""
+    from convert.__main__ import main
+    from convert.converter import ConvertError, convert
+
     dst = tmp_path / "dst"
     cmd = [sys.executable, "-m", "convert", str(source), str(dst), "--quiet", "--workers", "1"]
-    first = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, TEST_DELAY_ENV: "0.025"},
+    # 0.2 s per unit: the first run lasts ~30 s, far longer than this test needs it to.
+    first = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, TEST_DELAY_ENV: "0.2"},
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    lock = tmp_path / ".dst.lock"
     try:
-        lock = tmp_path / ".dst.lock"
-        deadline = time.time() + 60
-        while not lock.exists() and time.time() < deadline and first.poll() is None:
+        deadline = time.time() + 120
+        while not (lock.exists() and lock.read_text()) and time.time() < deadline and first.poll() is None:
             time.sleep(0.05)
-        assert lock.exists(), "the first converter never took its lock"
+        assert lock.exists(), f"the first converter never took its lock: {first.stderr.read()[-2000:]}"
         r = run_cli(source, dst, "--quiet", "--force")
         assert_one_clear_line(r, "another conversion into", str(first.pid))
-        from convert.__main__ import main
-
-        for flags in ((), ("--resume",)):
-            with pytest.raises(Exception, match=f"another conversion into .*pid {first.pid}"):
-                from convert.converter import convert
-
-                convert(source, dst, progress=False, resume=bool(flags))
-        assert main([str(source), str(dst), "--quiet"]) == 2
+        for resume in (False, True):
+            with pytest.raises(ConvertError, match=f"another conversion into .*pid {first.pid}"):
+                convert(source, dst, progress=False, resume=resume)
+        assert main([str(source), str(dst), "--quiet", "--force"]) == 2
         assert first.poll() is None, "the second converter disturbed the first"
     finally:
-        first.wait(120)
-    assert first.returncode == 0, first.stderr.read()
+        first.kill()
+        first.wait(60)
+    assert lock.exists() and not dst.exists()  # a stale lock file: no process holds it any more
+    convert(source, dst, progress=False, resume=True)
     assert (dst / COMPLETE_MARKER).exists() and not lock.exists()
 
 
@@ -255,3 +261,27 @@ def test_index_entries_and_side_files_outside_the_source_are_refused(source, tmp
     assert not (out / "tokenizer.json").exists() and (out / "tokenizer_config.json").is_file()
     assert "not copied" in stdout and "tokenizer.json" in stdout and str(secret) in stdout
     assert json.loads((out / COMPLETE_MARKER).read_text())["copied_files"] == ["tokenizer_config.json"]
+
+
+def test_hugging_face_hub_snapshot_symlinks_are_accepted(source, tmp_path):
+    """The hub cache stores every file of a snapshot as a symlink into the repo's blobs/: that one
+    layout of symlinks leaving the directory is accepted; the same links anywhere else are not."""
+    from convert.converter import convert
+    from convert.validate import ValidationError
+
+    repo = tmp_path / "models--org--name"
+    (repo / "blobs").mkdir(parents=True)
+    snap = repo / "snapshots" / "0123abc"
+    snap.mkdir(parents=True)
+    for i, f in enumerate(sorted(source.iterdir())):
+        blob = repo / "blobs" / f"blob{i}"
+        os.link(f, blob)
+        os.symlink(f"../../blobs/blob{i}", snap / f.name)
+    report = convert(snap, tmp_path / "out", progress=False)
+    assert report.tensors > 0 and (tmp_path / "out" / COMPLETE_MARKER).exists()
+    plain = tmp_path / "not-a-snapshot"
+    plain.mkdir()
+    for f in snap.iterdir():
+        os.symlink(os.readlink(snap / f.name).replace("../../blobs", str(repo / "blobs")), plain / f.name)
+    with pytest.raises(ValidationError, match="outside"):
+        convert(plain, tmp_path / "out2", progress=False)

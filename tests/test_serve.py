@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import httpx
+import numpy as np
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -174,16 +175,16 @@ def test_prefix_cache_persists_across_requests(client):
 
 
 def test_concurrent_streams_equal_solo_outputs(server, handle):
-    """64 streaming clients at once (16 distinct prompts, each 4 times): every stream complete and equal
+    """64 streaming clients at once (8 distinct prompts, each 8 times): every stream complete and equal
     to the prompt's solo greedy output; pages back to the starting count afterwards."""
     start = _health(server)
-    prompts = [[7 + i, 100 + 3 * i, 2000 + 17 * i] + list(range(300, 300 + i)) for i in range(16)]
+    prompts = [[7 + i, 100 + 3 * i, 2000 + 17 * i] + list(range(300, 300 + 3 * i)) for i in range(8)]
     solo = [handle.generate(p, max_new_tokens=4, temperature=0.0, ignore_eos=True).token_ids for p in prompts]
     aclient = openai.AsyncOpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=120)
 
     async def one(i: int) -> tuple[list[int], str | None]:
         ids, reason = [], None
-        stream = await aclient.completions.create(model=MODEL, prompt=prompts[i % 16], max_tokens=4,
+        stream = await aclient.completions.create(model=MODEL, prompt=prompts[i % 8], max_tokens=4,
                                                   temperature=0, stream=True,
                                                   extra_body={"return_token_ids": True, "ignore_eos": True})
         async for ch in stream:
@@ -197,7 +198,7 @@ def test_concurrent_streams_equal_solo_outputs(server, handle):
     t0 = time.monotonic()
     results = asyncio.run(main())
     elapsed = time.monotonic() - t0
-    assert [r for r in results] == [(solo[i % 16], "length") for i in range(64)], f"after {elapsed:.1f} s"
+    assert results == [(solo[i % 8], "length") for i in range(64)], f"after {elapsed:.1f} s"
     end = _wait_idle(server)
     assert end["pages_used"] == start["pages_used"] == 0
 
@@ -270,3 +271,50 @@ def test_models_health_and_metrics(server, client):
     ttft = [s for s in families["dsv3_time_to_first_token_seconds"].samples if s.name.endswith("_count")]
     assert ttft[0].value >= 1
     json.dumps(_health(server))  # plain JSON
+
+
+def _engine_has_logprobs() -> bool:
+    import inspect
+
+    from dsv3_jax.engine import Engine
+
+    return "logprobs" in inspect.signature(Engine.add_request).parameters
+
+
+@pytest.mark.skipif(not _engine_has_logprobs(), reason="this Engine has no logprobs yet (ENGINE_API.md)")
+def test_logprobs_match_the_model(client, handle):
+    prompt = "Logprobs, please:"
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, logprobs=3,
+                                  extra_body={"return_token_ids": True})
+    c = r.choices[0]
+    ids, lp = c.model_extra["token_ids"], c.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(ids) == 3
+    assert lp.tokens == [handle.tokenizer.decode([t]) for t in ids]
+    assert lp.text_offset[0] == 0
+    # First token: log_softmax of the model's raw logits at the prompt's last position.
+    logits = handle.forward([handle.tokenizer.encode(prompt)])[0, -1].astype(np.float64)
+    ref = logits - logits.max() - np.log(np.exp(logits - logits.max()).sum())
+    assert abs(lp.token_logprobs[0] - ref[ids[0]]) < 1e-4
+    for i in range(3):  # greedy: the chosen token is the most likely; 3 alternatives each
+        assert 1 <= len(lp.top_logprobs[i]) <= 3
+        assert abs(max(lp.top_logprobs[i].values()) - lp.token_logprobs[i]) < 1e-5
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=3, temperature=0, logprobs=True, top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens == 3
+    for e in content:
+        assert len(e.top_logprobs) == 2 and e.logprob <= 0 and e.bytes == list(e.token.encode())
+
+
+def test_stop_strings_n_and_seed(client, handle):
+    prompt = "Counting: one two"
+    ref = handle.generate(prompt, max_new_tokens=8, temperature=0.0)
+    stop = ref.text[3:6]  # a stop string in the middle of the greedy continuation
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, stop=[stop, "@@@"])
+    assert r.choices[0].text == ref.text[: ref.text.find(stop)] and r.choices[0].finish_reason == "stop"
+    # n samples with a seed: reproducible, and the samples differ from each other.
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=6, temperature=1.0, top_p=1.0, n=3, seed=1234)
+    a, b = client.completions.create(**kw), client.completions.create(**kw)
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert [c.index for c in a.choices] == [0, 1, 2] and len({c.text for c in a.choices}) > 1
+    assert a.usage.prompt_tokens == len(ref.prompt_token_ids) and a.usage.completion_tokens == 18

@@ -206,3 +206,21 @@ def test_admission_bound_gives_429(served, tokenizer):
         time.sleep(0.01)
     assert runner.pending == 0
     assert runner.engine.pool.num_used == 0
+
+
+def test_tool_history_rendered_in_v31_format(served, tokenizer):
+    """A finished tool round trip (assistant tool_calls, tool result) goes back to the model in the V3.1
+    template's own format; content given as text parts is joined."""
+    client, _, _ = served
+    _script(tokenizer, "Sunny, 22C.")
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": ARGS}}
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "Weather"}, {"type": "text", "text": "?"}]},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "22C"}]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, tools=TOOLS, max_tokens=50,
+                                       extra_body={"return_token_ids": True})
+    prompt = tokenizer.decode(r.model_extra["prompt_token_ids"])
+    assert prompt.endswith(f"<｜User｜>Weather?<｜Assistant｜></think>{CALLS_BEGIN}{CALL_BEGIN}get_weather"
+                           f"{CALL_SEP}{ARGS}{CALL_END}{CALLS_END}<｜end▁of▁sentence｜>"
+                           "<｜tool▁output▁begin｜>22C<｜tool▁output▁end｜>")
+    assert r.choices[0].message.content == "Sunny, 22C." and r.choices[0].finish_reason == "stop"

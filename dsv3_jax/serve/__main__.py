@@ -39,11 +39,25 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--chunk-size", type=int, default=d.chunk_size, help="longest prefill chunk per step")
     g.add_argument("--no-prefix-caching", action="store_true", help="do not reuse cached prompt pages")
     g.add_argument("--spec-k", type=int, default=0, help="MTP draft tokens per step (0 = off, up to 3)")
+    names = {f.name for f in dataclasses.fields(EngineConfig)}
+    if "token_buckets" in names:  # fixed step shapes: fewer compiles, more padding
+        g.add_argument("--token-buckets", type=_ints, help="flat-token step sizes, e.g. 16,64,256")
+        g.add_argument("--row-buckets", type=_ints, help="sequences-per-step sizes, e.g. 4,16")
     p.add_argument("--max-pending", type=int, default=None,
                    help="requests in flight before new ones get 429 (default: 4 x --max-batch)")
     p.add_argument("--no-warmup", action="store_true", help="skip compiling the engine step before serving")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return tuple(sorted(values))
 
 
 def _budget(cfg: Any) -> int:
@@ -56,9 +70,10 @@ def engine_config(args: argparse.Namespace) -> Any:
 
     names = {f.name for f in dataclasses.fields(EngineConfig)}
     budget = "max_batched_tokens" if "max_batched_tokens" in names else "token_budget"
+    extra = {k: getattr(args, k) for k in ("token_buckets", "row_buckets") if getattr(args, k, None)}
     return EngineConfig(num_pages=args.num_pages, max_batch=args.max_batch, chunk_size=args.chunk_size,
                         prefix_caching=not args.no_prefix_caching, spec_k=args.spec_k,
-                        **{budget: args.max_batched_tokens})
+                        **{budget: args.max_batched_tokens}, **extra)
 
 
 def load_handle(args: argparse.Namespace) -> Any:

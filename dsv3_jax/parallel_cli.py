@@ -1,0 +1,124 @@
+"""The layout, capacity and multi-host flags that `generate` and `serve` share, and what they start.
+
+Owns: `--tp/--dp/--ep` (shorthands for `--mesh tensor=..,data=..,expert=..`), `--max-model-len`,
+`--memory-fraction`, `--device-memory`, `--max-batch`, `--max-batched-tokens`, `--n-activated-experts`
+and the multi-process flags (distributed.add_cli_flags); checking them before anything loads; starting
+the processes (`start`: jax.distributed + the lockstep channel); and sizing the engine from the planner
+(`engine_plan`: plan.pool_plan on the loaded model, the pool that `--memory-fraction` of each device
+leaves, printed once at start by process 0). Must not parse prompts, build engines or load weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from dsv3_jax import distributed, lockstep
+
+SHORTHANDS = (("tp", "tensor"), ("dp", "data"), ("ep", "expert"))
+
+
+def add_flags(parser: argparse.ArgumentParser, *, engine_sizing: bool = True) -> None:
+    """The shared flags (`--mesh` itself stays the command's own). `engine_sizing=False` leaves out
+    --max-batch / --max-batched-tokens for a command that defines them already."""
+    g = parser.add_argument_group("layout and capacity")
+    g.add_argument("--tp", type=int, metavar="N", help="tensor parallel size (shorthand for --mesh tensor=N)")
+    g.add_argument("--dp", type=int, metavar="N", help="data parallel size: batch shards with their own KV "
+                                                      "pages (DP attention)")
+    g.add_argument("--ep", type=int, metavar="N", help="expert parallel size (also a batch axis outside "
+                                                      "the MoE)")
+    g.add_argument("--max-model-len", type=int, metavar="T",
+                   help="longest request (prompt + output) the KV pool must hold; default: the model's "
+                        "context")
+    g.add_argument("--memory-fraction", type=float, default=0.9, metavar="F",
+                   help="share of each device's memory for weights + activations + KV pages (like vLLM's "
+                        "--gpu-memory-utilization; default 0.9)")
+    g.add_argument("--device-memory", metavar="BYTES",
+                   help="per-device memory to plan with, e.g. 141GB (default: what the accelerator reports; "
+                        "none on CPU, where the pool is sized for the work instead)")
+    if engine_sizing:
+        g.add_argument("--max-batch", type=int, metavar="S", help="sequences per engine step")
+        g.add_argument("--max-batched-tokens", type=int, metavar="N", help="tokens per engine step")
+    g.add_argument("--n-activated-experts", type=int, metavar="K",
+                   help="routed experts per token (default: the checkpoint's num_experts_per_tok)")
+    distributed.add_cli_flags(parser)
+
+
+def check(args: argparse.Namespace) -> None:
+    """Refuse bad values before loading; fold --tp/--dp/--ep into args.mesh."""
+    from dsv3_jax import plan, sharding
+
+    given = {axis: getattr(args, flag) for flag, axis in SHORTHANDS if getattr(args, flag) is not None}
+    for flag, _ in SHORTHANDS:
+        v = getattr(args, flag)
+        if v is not None and v < 1:
+            raise ValueError(f"--{flag} must be >= 1, got {v}")
+    if given:
+        if getattr(args, "mesh", None):
+            raise ValueError("give either --mesh or --tp/--dp/--ep, not both")
+        args.mesh = ",".join(f"{a}={n}" for a, n in given.items())
+        sharding.parse_mesh_spec(args.mesh)
+    if args.max_model_len is not None and args.max_model_len < 1:
+        raise ValueError(f"--max-model-len must be >= 1, got {args.max_model_len}")
+    if not 0 < args.memory_fraction <= 1:
+        raise ValueError(f"--memory-fraction must lie in (0, 1], got {args.memory_fraction}")
+    if args.device_memory is not None:
+        plan.parse_bytes(args.device_memory)
+    for flag in ("max_batch", "max_batched_tokens", "n_activated_experts"):
+        v = getattr(args, flag, None)
+        if v is not None and v < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {v}")
+    if args.peer_timeout <= 0:
+        raise ValueError(f"--peer-timeout must be > 0 seconds, got {args.peer_timeout}")
+
+
+def start(args: argparse.Namespace) -> distributed.ProcessInfo:
+    """jax.distributed (flags, srun or mpirun) and, with several processes, the engine's lockstep."""
+    info = distributed.initialize_from_args(args)
+    lockstep.activate()
+    return info
+
+
+def device_memory(args: argparse.Namespace) -> int | None:
+    """--device-memory, else what the first local accelerator reports (None on CPU)."""
+    from dsv3_jax import plan
+
+    if args.device_memory is not None:
+        return plan.parse_bytes(args.device_memory)
+    import jax
+
+    return (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
+
+
+def engine_plan(handle: Any, args: argparse.Namespace, *, spec_k: int = 0) -> Any:
+    """The plan-sized pool for this model and mesh (plan.PoolPlan), or None without a device memory
+    (CPU): PlanError when not even one --max-model-len request fits."""
+    from dsv3_jax import api, cache, plan, sharding
+
+    mem = device_memory(args)
+    if mem is None:
+        return None
+    cfg = handle.config
+    sizes = dict.fromkeys(sharding.AXES, 1) if handle.mesh is None else sharding.axis_sizes(handle.mesh)
+    return plan.pool_plan(
+        cfg, sizes, dtype=api._weights_dtype(cfg),
+        max_model_len=args.max_model_len or cfg.max_position_embeddings,
+        device_memory=mem, memory_fraction=args.memory_fraction, page_size=cache.PAGE_SIZE,
+        form=handle.attention, cache_dtype=cfg.dtype, mtp=bool(spec_k),
+        max_batched_tokens=getattr(args, "max_batched_tokens", None) or 2048,
+        max_batch=getattr(args, "max_batch", None) or 256, params_or_shapes=handle.params)
+
+
+def engine_defaults(handle: Any, args: argparse.Namespace, *, spec_k: int = 0) -> dict[str, int]:
+    """EngineConfig fields from the flags and the plan (printed by process 0): what generate passes to
+    its engines through `handle.engine_defaults`."""
+    out = {k: v for k in ("max_batch", "max_batched_tokens") if (v := getattr(args, k, None)) is not None}
+    p = engine_plan(handle, args, spec_k=spec_k)
+    if p is None:
+        distributed.main_print("[dsv3_jax] plan: no device memory limit known (CPU; pass --device-memory to "
+                               "plan): the KV pool is sized for the requests", file=sys.stderr)
+    else:
+        distributed.main_print("[dsv3_jax] plan:\n" + p.summary(), file=sys.stderr)
+        out["num_pages"] = p.num_pages
+    return out

@@ -1,0 +1,79 @@
+"""Row-tile bookkeeping shared by the grouped GEMMs (bf16 ``grouped_gemm`` and ``fp8_grouped_gemm``).
+
+Owns: how rows sorted by group are cut into row tiles that never straddle two groups
+(``tile_metadata``, computed outside the kernels), and how a kernel writes back only a tile's valid
+rows (``store_rows``, a power-of-two ladder of TMA stores). Must not know about dtypes, scales,
+tilings of N/K or the model: both kernels and the bf16 reference build on these two pieces only.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+# meta rows (see tile_metadata)
+GROUP, ROW0, LO, HI = range(4)
+
+
+def tile_metadata(group_sizes: jax.Array, num_rows: int, tile_m: int) -> tuple[jax.Array, int]:
+    """Row tiles that never straddle two groups.
+
+    Group ``G`` (one past the last group) is the tail ``[sum(group_sizes), M)``, written as zeros.
+    Returns ``meta [4, T] int32`` with rows (group, tile_row0, lo, hi): the tile covers rows
+    ``[tile_row0, tile_row0 + tile_m)`` of which ``[lo, hi)`` belong to the group; ``hi == lo`` marks
+    an unused slot. ``T = cdiv(M, tile_m) + G`` is a static bound on the number of tiles. Tiles come
+    in group order, so the tiles of real groups form a prefix, then the tail's, then unused slots.
+    Empty groups get no tile. Group sizes summing past ``M`` are clipped at ``M``.
+    """
+    e = group_sizes.shape[0]
+    gs = jnp.maximum(group_sizes.astype(jnp.int32), 0)
+    ends = jnp.minimum(jnp.cumsum(gs), num_rows)
+    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+    total = ends[-1]
+    starts = jnp.concatenate([starts, total[None]])
+    ends = jnp.concatenate([ends, jnp.full((1,), num_rows, jnp.int32)])
+    first = starts // tile_m
+    ntiles = jnp.where(ends > starts, (ends + tile_m - 1) // tile_m - first, 0)
+    tile_end = jnp.cumsum(ntiles)
+    num_slots = -(-num_rows // tile_m) + e
+    t = jnp.arange(num_slots, dtype=jnp.int32)
+    g = jnp.minimum(jnp.searchsorted(tile_end, t, side="right"), e).astype(jnp.int32)
+    row0 = (first[g] + t - (tile_end[g] - ntiles[g])) * tile_m
+    valid = t < tile_end[-1]
+    lo = jnp.where(valid, jnp.maximum(starts[g], row0), 0)
+    hi = jnp.where(valid, jnp.minimum(ends[g], row0 + tile_m), 0)
+    row0 = jnp.where(valid, row0, 0)
+    return jnp.stack([g, row0, lo, hi]).astype(jnp.int32), num_slots
+
+
+def tile_counts(meta: jax.Array, num_groups: int) -> jax.Array:
+    """``[2] int32``: how many tiles belong to real groups, and how many to the zero tail."""
+    used = meta[HI] > meta[LO]
+    real = jnp.sum(used & (meta[GROUP] < num_groups))
+    tail = jnp.sum(used & (meta[GROUP] == num_groups))
+    return jnp.stack([real, tail]).astype(jnp.int32)
+
+
+def store_rows(o_smem, out_gmem, row_base, start, size, col0, max_rows: int) -> None:
+    """TMA-store rows ``[start, start + size)`` of ``o_smem [max_rows, w]`` to ``out_gmem`` at rows
+    ``row_base + start ...`` and columns ``[col0, col0 + w)``.
+
+    TMA boxes have static shapes and the row count is known only at run time, so the rows go out as a
+    ladder of power-of-two boxes (``max_rows``, ..., 2, 1), each issued only when its bit of ``size`` is
+    set. The caller has written ``o_smem`` and called ``commit_smem``; it waits on the stores later.
+    """
+    width = o_smem.shape[1]
+    p = max_rows
+    while p >= 1:
+
+        @pl.when((size & p) != 0)
+        def _(start=start, p=p):
+            plgpu.copy_smem_to_gmem(
+                o_smem.at[pl.ds(start, p)],
+                out_gmem.at[pl.ds(row_base + start, p), pl.ds(col0, width)],
+            )
+
+        start = start + (size & p)
+        p //= 2

@@ -1,0 +1,349 @@
+"""BF16/FP16 grouped GEMM for Hopper in Pallas Mosaic GPU (the MoE experts of a BF16 checkpoint).
+
+Owns ``grouped_gemm`` (rows of ``x [M, K]`` sorted by group times ``w[g].T`` for ``w [G, N, K]`` in HF's
+``[out, in]`` layout, read as is: no transpose copy) and its plain-``jnp`` reference
+``grouped_gemm_reference``. Arrays in, arrays out; no model knowledge. The row-tile bookkeeping (which
+rows a tile holds, writing back only those) is ``group_tiles``' and shared with the FP8 kernel.
+
+Kernel shape: persistent CTAs (one per SM) walk (row tile, column tile) work items of the groups that
+have rows; empty groups get no tile, so they cost nothing. Each CTA runs three warpgroups: one issues
+TMA loads of the x tile ``(tile_m, 64)`` and the weight tile ``(tile_n, 64)`` (128-byte swizzle), two
+issue wgmma with the weight tile as the transposed (K-major) B operand and accumulate the whole K loop
+in fp32 registers. With ``chain`` the tile pipelines of one CTA run back to back (the loader fetches the
+next tile's first K blocks while the current tile's epilogue runs). The epilogue writes the tile's
+valid rows through shared memory in 64-column chunks with TMA stores. Rows at or past
+``sum(group_sizes)`` come back as zeros. Gradients (``jax.grad``) go through the reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.group_tiles import GROUP, HI, LO, ROW0, store_rows, tile_counts, tile_metadata
+
+DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_BK = 64  # K per pipeline step: 64 two-byte values = one 128-byte swizzle row
+_NUM_COMPUTE_WGS = 2
+_SMEM_LIMIT = 227 * 1024  # Hopper's largest dynamic shared memory per block
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedGemmConfig:
+    """Tiling of the kernel.
+
+    wg_m, wg_n: the output block one compute warpgroup accumulates (wg_m in {64, 128}; wg_n a multiple
+      of 64, at most 256).
+    wg_split: how the two compute warpgroups share a CTA tile: ``"m"`` stacks them along rows (CTA tile
+      ``2 wg_m x wg_n``), ``"n"`` along columns (``wg_m x 2 wg_n``: fewer wasted rows when groups are small).
+    max_concurrent_steps: TMA pipeline depth (K blocks in flight).
+    chain: run one CTA's tile pipelines back to back (no drain between tiles); needs the number of K
+      steps to be a multiple of the depth, otherwise each tile drains.
+    """
+
+    wg_m: int = 128
+    wg_n: int = 128
+    wg_split: str = "n"
+    max_concurrent_steps: int = 4
+    chain: bool = True
+
+    def __post_init__(self):
+        if self.wg_split not in ("m", "n"):
+            raise ValueError(f"wg_split must be 'm' or 'n', got {self.wg_split!r}")
+        if self.wg_m not in (64, 128):
+            raise ValueError(f"wg_m must be 64 or 128, got {self.wg_m}")
+        if self.wg_n % 64 or not 64 <= self.wg_n <= 256:
+            raise ValueError(f"wg_n must be a multiple of 64 in [64, 256], got {self.wg_n}")
+        if self.max_concurrent_steps < 1:
+            raise ValueError(f"max_concurrent_steps must be >= 1, got {self.max_concurrent_steps}")
+
+    @property
+    def tile_m(self) -> int:
+        return self.wg_m * (_NUM_COMPUTE_WGS if self.wg_split == "m" else 1)
+
+    @property
+    def tile_n(self) -> int:
+        return self.wg_n * (_NUM_COMPUTE_WGS if self.wg_split == "n" else 1)
+
+    def smem_bytes(self, out_dtype) -> int:
+        """Shared memory the kernel asks for: the pipeline's stages and the epilogue's chunks."""
+        stages = self.max_concurrent_steps * (self.tile_m + self.tile_n) * _BK * 2
+        return stages + _NUM_COMPUTE_WGS * self.wg_m * _epi_cols(out_dtype) * jnp.dtype(out_dtype).itemsize
+
+
+PREFILL_CONFIG = GroupedGemmConfig(wg_m=128, wg_n=128, wg_split="n", max_concurrent_steps=4)
+DECODE_CONFIG = GroupedGemmConfig(wg_m=64, wg_n=128, wg_split="n", max_concurrent_steps=4)
+
+
+def default_config(num_rows: int, num_groups: int) -> GroupedGemmConfig:
+    """The prefill tiling when groups average at least 96 rows, the decode tiling otherwise."""
+    return PREFILL_CONFIG if num_rows >= 96 * num_groups else DECODE_CONFIG
+
+
+def _epi_cols(out_dtype) -> int:
+    """Epilogue chunk width: 128 bytes of output per row."""
+    return 128 // jnp.dtype(out_dtype).itemsize
+
+
+def _num_sms() -> int:
+    dev = jax.devices()[0]
+    return getattr(dev, "core_count", None) or 132
+
+
+def _kernel_body(counts_gmem, meta_gmem, x_gmem, w_gmem, out_gmem, *, cfg: GroupedGemmConfig,
+                 n_tiles: int, k_steps: int):
+    tm, tn, wm, wn = cfg.tile_m, cfg.tile_n, cfg.wg_m, cfg.wg_n
+    out_dtype = out_gmem.dtype
+    epi = _epi_cols(out_dtype)
+    tf = (plgpu.TilingTransform((8, _BK)), plgpu.SwizzleTransform(128))
+    stages = min(cfg.max_concurrent_steps, k_steps)
+    chain = cfg.chain and k_steps % stages == 0
+
+    def make_pipeline(step, ctx, state=None):
+        return plgpu.emit_pipeline_warp_specialized(
+            step,
+            grid=(k_steps,),
+            memory_registers=40,
+            in_specs=[
+                plgpu.BlockSpec((tm, _BK), lambda k: (0, k), transforms=tf),
+                plgpu.BlockSpec((tn, _BK), lambda k: (0, k), transforms=tf),
+            ],
+            wg_axis="wg",
+            num_compute_wgs=_NUM_COMPUTE_WGS,
+            max_concurrent_steps=stages,
+            compute_context=ctx,
+            pipeline_state=state,
+        )
+
+    ignore = lambda *_, **__: None
+
+    @functools.partial(
+        pl.run_scoped,
+        allocs=make_pipeline(ignore, ignore).get_allocations(x_gmem, w_gmem.at[0]),
+        out_smem=plgpu.SMEM((_NUM_COMPUTE_WGS, wm, epi), out_dtype),
+        collective_axes="wg",
+    )
+    def _scope(allocs, out_smem):
+        wg = lax.axis_index("wg")
+        n_real = counts_gmem[0]
+        n_tail = counts_gmem[1]
+
+        def tile(lin):
+            """(group, row0, lo, hi, column tile, this warpgroup's first row and first column)."""
+            mi, ni = lin // n_tiles, lin % n_tiles
+            row0 = pl.multiple_of(meta_gmem[ROW0, mi], tm)  # tiles start on tile_m boundaries
+            if cfg.wg_split == "m":
+                wg_row0, col0 = row0 + wg * wm, ni * tn
+            else:
+                wg_row0, col0 = row0, ni * tn + wg * wn
+            return meta_gmem[GROUP, mi], row0, meta_gmem[LO, mi], meta_gmem[HI, mi], ni, wg_row0, col0
+
+        def store(acc, lo, hi, wg_row0, col0):
+            """Write this warpgroup's rows [lo, hi) of the tile, one 128-byte-wide column chunk at a time."""
+            o_smem = out_smem.at[wg]
+            r_lo = jnp.clip(lo - wg_row0, 0, wm)
+            size = jnp.clip(hi - wg_row0, 0, wm) - r_lo
+            for c in range(wn // epi):
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last chunk's stores done reading
+                o_smem[...] = acc[:, c * epi:(c + 1) * epi].astype(out_dtype)
+                plgpu.commit_smem()
+                store_rows(o_smem, out_gmem, wg_row0, r_lo, size, col0 + c * epi, wm)
+
+        @plgpu.nd_loop((n_real * n_tiles,), collective_axes="sm")
+        def _matmuls(info: plgpu.NDLoopInfo):
+            (lin,) = info.index
+            g, row0, lo, hi, ni, wg_row0, col0 = tile(lin)
+
+            def ctx(eval_pipeline):
+                @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((wm, wn), jnp.float32))
+                def _acc(acc_ref):
+                    eval_pipeline(acc_ref)
+                    store(acc_ref[...], lo, hi, wg_row0, col0)
+
+            def step(_, x_smem, w_smem, acc_ref):
+                if cfg.wg_split == "m":
+                    a, b = x_smem.at[pl.ds(pl.multiple_of(wg * wm, wm), wm)], w_smem
+                else:
+                    a, b = x_smem, w_smem.at[pl.ds(pl.multiple_of(wg * wn, wn), wn)]
+                plgpu.wgmma(acc_ref, a, b.transpose((1, 0)))
+                plgpu.wgmma_wait(0)
+                return acc_ref
+
+            refs = (x_gmem.at[pl.ds(row0, tm), :], w_gmem.at[g, pl.ds(ni * tn, tn), :])
+            if not chain:
+                make_pipeline(step, ctx)(*refs, allocations=allocs)
+                return
+            # One CTA's tiles form one long pipeline: the first primes it, the last drains it.
+            first = info.local_index == 0
+            last = info.local_index == info.num_local_steps - 1
+            S = plgpu.PipelinePipeline
+            for cond, state in ((first & last, None), (first & ~last, S.START),
+                                (~first & ~last, S.STEADY), (~first & last, S.STOP)):
+                pl.when(cond)(lambda state=state: make_pipeline(step, ctx, state)(*refs, allocations=allocs))
+
+        @plgpu.nd_loop((n_tail * n_tiles,), collective_axes="sm")
+        def _zero_tail(info: plgpu.NDLoopInfo):
+            (lin,) = info.index
+            _, _, lo, hi, _, wg_row0, col0 = tile(lin + n_real * n_tiles)
+
+            @pl.when(wg < _NUM_COMPUTE_WGS)
+            def _():
+                zeros = plgpu.layout_cast(jnp.full((wm, wn), 0, dtype=jnp.float32), plgpu.Layout.WGMMA)
+                store(zeros, lo, hi, wg_row0, col0)
+
+        plgpu.wait_smem_to_gmem(0)
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def _pad_axis(x: jax.Array, axis: int, size: int) -> jax.Array:
+    if x.shape[axis] == size:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, widths)
+
+
+def _check_inputs(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> None:
+    if x.ndim != 2 or x.dtype not in DTYPES:
+        raise ValueError(f"x must be [M, K] bfloat16 or float16, got {x.shape} {x.dtype}")
+    if w.ndim != 3 or w.dtype != x.dtype:
+        raise ValueError(f"w must be [G, N, K] of x's dtype {x.dtype}, got {w.shape} {w.dtype}")
+    if x.shape[1] != w.shape[2]:
+        raise ValueError(f"K mismatch: x {x.shape} vs w {w.shape} ([G, N, K])")
+    if group_sizes.shape != (w.shape[0],) or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        raise ValueError(f"group_sizes must be integer [{w.shape[0]}], got {group_sizes.shape} "
+                         f"{group_sizes.dtype}")
+
+
+def _run_kernel(x, w, group_sizes, out_dtype, cfg: GroupedGemmConfig, interpret: bool) -> jax.Array:
+    m, k = x.shape
+    _, n, _ = w.shape
+    if cfg.smem_bytes(out_dtype) > _SMEM_LIMIT:
+        raise ValueError(f"config {cfg} needs {cfg.smem_bytes(out_dtype)} bytes of shared memory with "
+                         f"{jnp.dtype(out_dtype).name} output; Hopper has {_SMEM_LIMIT}")
+    # DeepSeek's shapes need no padding: K is a multiple of 64 and N of the tile. Odd shapes are padded
+    # with zeros (a copy of the operands), which adds nothing to the products. M is padded only up to
+    # one row tile; partial tiles at the end read past M (TMA fills zeros) and store only valid rows.
+    kp, np_, mp = _round_up(k, _BK), _round_up(n, cfg.tile_n), max(m, cfg.tile_m)
+    xp = _pad_axis(_pad_axis(x, 1, kp), 0, mp)
+    wp = _pad_axis(_pad_axis(w, 2, kp), 1, np_)
+    meta, _ = tile_metadata(group_sizes, mp, cfg.tile_m)  # padding rows belong to the zero tail
+    counts = tile_counts(meta, w.shape[0])
+    body = functools.partial(_kernel_body, cfg=cfg, n_tiles=np_ // cfg.tile_n, k_steps=kp // _BK)
+    kernel = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((mp, np_), out_dtype),
+        grid=(2 if interpret else _num_sms(),),
+        grid_names=("sm",),
+        num_threads=_NUM_COMPUTE_WGS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )
+    return kernel(counts, meta, xp, wp)[:m, :n]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _grouped_gemm(x, w, group_sizes, out_dtype, cfg, interpret):
+    return _run_kernel(x, w, group_sizes, out_dtype, cfg, interpret)
+
+
+def _grouped_gemm_fwd(x, w, group_sizes, out_dtype, cfg, interpret):
+    return _run_kernel(x, w, group_sizes, out_dtype, cfg, interpret), (x, w, group_sizes)
+
+
+def _grouped_gemm_bwd(out_dtype, cfg, interpret, res, ct):
+    # Training is not this kernel's job: cotangents come from the reference (exact, not fast).
+    x, w, group_sizes = res
+    _, vjp = jax.vjp(lambda a, b: grouped_gemm_reference(a, b, group_sizes, out_dtype=out_dtype), x, w)
+    dx, dw = vjp(ct)
+    return dx, dw, None
+
+
+_grouped_gemm.defvjp(_grouped_gemm_fwd, _grouped_gemm_bwd)
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))
+def grouped_gemm(
+    x: jax.Array,
+    w: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    out_dtype: jnp.dtype | None = None,
+    config: GroupedGemmConfig | None = None,
+    interpret: bool | None = None,
+) -> jax.Array:
+    """Grouped GEMM: ``out[r] = x[r] @ w[g(r)].T`` for rows sorted by group, fp32 accumulation.
+
+    Args:
+      x: ``[M, K]`` bfloat16 or float16, rows sorted by group.
+      w: ``[G, N, K]`` of x's dtype (HF ``[out, in]`` per group).
+      group_sizes: ``[G]`` int rows per group; rows at or past the sum come back as zeros.
+      out_dtype: output dtype (default: x's).
+      config: tiling; by default picked from the average rows per group.
+      interpret: run in Pallas GPU interpret mode; by default when the backend is not a GPU.
+
+    Returns:
+      ``[M, N]`` in ``out_dtype``.
+    """
+    _check_inputs(x, w, group_sizes)
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    m, n = x.shape[0], w.shape[1]
+    if m == 0 or n == 0:
+        return jnp.zeros((m, n), out_dtype)
+    cfg = config or default_config(m, w.shape[0])
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    return _grouped_gemm(x, w, group_sizes.astype(jnp.int32), out_dtype, cfg, interpret)
+
+
+def _reference_row_tile(num_rows: int, num_groups: int) -> int:
+    """About the mean rows per group (a power of two in [8, 128]): at most ~2x the rows get computed."""
+    return min(128, max(8, 1 << int(math.log2(max(1, num_rows // max(1, num_groups))))))
+
+
+def grouped_gemm_reference(
+    x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, out_dtype: jnp.dtype | None = None
+) -> jax.Array:
+    """Plain-jnp grouped GEMM with :func:`grouped_gemm`'s contract, computed in fp32.
+
+    A segment matmul over row tiles that never straddle two groups: each tile multiplies its rows by
+    its own group's weight only (no dense all-groups product, no ``ragged_dot``), so the work is at most
+    about twice the rows' own. Any float dtypes; differentiable in ``x`` and ``w``.
+    """
+    m, k = x.shape
+    g, n, k2 = w.shape
+    if k != k2 or group_sizes.shape != (g,):
+        raise ValueError(f"shapes do not match: x {x.shape}, w {w.shape} ([G, N, K]), group_sizes "
+                         f"{group_sizes.shape}")
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    if m == 0 or n == 0:
+        return jnp.zeros((m, n), out_dtype)
+    t = _reference_row_tile(m, g)
+    mp = _round_up(m, t)
+    meta, _ = tile_metadata(group_sizes, mp, t)
+    xp = _pad_axis(x, 0, mp).astype(jnp.float32)
+
+    def one_tile(col):
+        gi, row0, lo, hi = col[GROUP], col[ROW0], col[LO], col[HI]
+        xt = lax.dynamic_slice_in_dim(xp, row0, t)
+        wt = w[jnp.minimum(gi, g - 1)].astype(jnp.float32)
+        y = jnp.dot(xt, wt.T, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+        rows = row0 + jnp.arange(t, dtype=jnp.int32)
+        keep = (rows >= lo) & (rows < hi) & (gi < g)
+        return jnp.where(keep[:, None], y, 0.0), jnp.where(keep, rows, mp)
+
+    ys, rows = lax.map(one_tile, meta.T)
+    # Every row is kept by exactly one tile; rows of no tile (past the groups) stay zero.
+    out = jnp.zeros((mp, n), jnp.float32).at[rows.reshape(-1)].add(ys.reshape(-1, n), mode="drop")
+    return out[:m].astype(out_dtype)

@@ -1,0 +1,79 @@
+"""The engine's page pool sized by the planner: tiny models on the 8 virtual devices with a declared device
+memory get the page counts the plan says, each device holds exactly its shard's slice, and a request that
+cannot fit is refused with the numbers."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from dsv3_jax import cache as kv_cache
+from dsv3_jax import plan, sharding
+from dsv3_jax.config import ModelConfig
+from tests.mesh_models import MESH_CONFIGS  # noqa: F401  (the mesh-sized test configs)
+
+TINY = ModelConfig.preset("tiny")
+
+
+@pytest.mark.parametrize("spec", ["tensor=2,expert=4", "data=2,tensor=2,expert=2", "data=8"])
+def test_pool_pages_match_the_plan_and_the_devices(spec):
+    frac, act = 0.5, 3 * 2**20
+    w = plan.plan(TINY, spec, dtype="fp32", device_memory="1GB", reserve=0)
+    # One page of every layer, the tiny model's absorbed latent, fp32, on one device.
+    page_b = TINY.kv_bytes_per_token("absorbed", 4) * 16
+    mem = int((w.weight_bytes_per_device + act + 70.5 * page_b) / frac)  # room for 70 whole pages
+    p = plan.pool_plan(TINY, spec, dtype="fp32", max_model_len=512, device_memory=mem, memory_fraction=frac,
+                       page_size=16, activation_bytes=act, cache_dtype=jnp.float32)
+    assert p.pages_per_shard == 70
+    assert p.page_bytes_per_device == page_b  # split by pages, replicated over tensor: whole pages
+    assert p.pages_per_shard == (int(frac * mem) - w.weight_bytes_per_device - act) // page_b
+    assert p.batch_shards == sharding.batch_multiple(sharding.make_mesh(spec)) and p.activations_measured
+    assert p.max_requests_per_shard == (p.pages_per_shard - 1) // 32
+    # The pool the engine allocates from this plan: each device holds one slice, within the budget.
+    mesh = sharding.make_mesh(spec)
+    cache = kv_cache.allocate(TINY, p.num_pages, 16, dtype=jnp.float32)
+    placed = jax.device_put(cache, sharding.cache_shardings(TINY, mesh, cache))
+    for dev in jax.devices():
+        on_dev = sum(s.data.nbytes for x in jax.tree.leaves(placed) for s in x.addressable_shards
+                     if s.device == dev)
+        assert on_dev == p.kv_bytes_per_device <= frac * mem - w.weight_bytes_per_device - act
+    assert "requests per shard / total" in p.summary()
+
+
+def test_estimated_activations_grow_with_the_step():
+    small = plan.pool_plan(TINY, "expert=8", dtype="fp32", max_model_len=512, device_memory="1GB",
+                           max_batched_tokens=64)
+    big = plan.pool_plan(TINY, "expert=8", dtype="fp32", max_model_len=512, device_memory="1GB",
+                         max_batched_tokens=4096)
+    assert not small.activations_measured
+    assert big.activation_bytes_per_device > small.activation_bytes_per_device
+    assert big.pages_per_shard < small.pages_per_shard
+
+
+def test_refuses_when_one_request_cannot_fit():
+    w = plan.plan(TINY, "expert=8", dtype="fp32", device_memory="1GB", reserve=0)
+    page_b = TINY.kv_bytes_per_token("absorbed", 4) * 64
+    # Room for scratch + 7 pages, but a 512-token request needs 8.
+    mem = w.weight_bytes_per_device + 8 * page_b
+    with pytest.raises(plan.PlanError, match=r"no room for one 512-token request: .* 7 usable pages, but one "
+                                             r"request needs 8 pages"):
+        plan.pool_plan(TINY, "expert=8", dtype="fp32", max_model_len=512, device_memory=mem,
+                       memory_fraction=1.0, activation_bytes=0, cache_dtype=jnp.float32)
+    ok = plan.pool_plan(TINY, "expert=8", dtype="fp32", max_model_len=448, device_memory=mem,
+                        memory_fraction=1.0, activation_bytes=0, cache_dtype=jnp.float32)
+    assert ok.pages_per_shard == 8 and ok.max_requests == 8  # one 7-page request on each of 8 shards
+    with pytest.raises(ValueError, match="memory fraction"):
+        plan.pool_plan(TINY, "expert=8", max_model_len=64, device_memory="1GB", memory_fraction=1.5)
+    with pytest.raises(ValueError, match="exceeds the model's context"):
+        plan.pool_plan(TINY, "expert=8", max_model_len=10**7, device_memory="1GB")
+
+
+def test_v3_on_one_host():
+    """DeepSeek-V3 FP8 on 8 H200s, 32K requests: DP attention holds ~3.5x the requests of tensor=8
+    although each device keeps fewer KV bytes (the replicated attention weights), since the pool splits."""
+    v3 = ModelConfig.preset("deepseek-v3")
+    kw = dict(dtype="fp8", max_model_len=32768, device_memory="141GB", max_batched_tokens=2048, max_batch=64)
+    tp, ep = plan.pool_plan(v3, "tensor=8", **kw), plan.pool_plan(v3, "expert=8", **kw)
+    assert tp.page_bytes_per_device == ep.page_bytes_per_device == 70_272 * 64
+    assert tp.kv_bytes_per_device > ep.kv_bytes_per_device and ep.max_requests > 3 * tp.max_requests
