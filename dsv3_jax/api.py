@@ -163,11 +163,11 @@ class ModelHandle:
 
         return inspect.attention_entropy(self, prompt)
 
-    def cache_pages(self, prompt: str | Sequence[int], *, page_size: int = 64):
+    def cache_pages(self, prompt: str | Sequence[int], *, page_size: int | None = None):
         """The paged KV cache of one prompt after prefill, its own pages only (inspect.CachePages)."""
         from dsv3_jax import inspect
 
-        return inspect.cache_pages(self, prompt, page_size=page_size)
+        return inspect.cache_pages(self, prompt, **({} if page_size is None else {"page_size": page_size}))
 
 
 # The embedded default: a small DeepSeek-V3 (real MLA widths, MoE, MTP) trained on the standard library's

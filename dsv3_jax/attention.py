@@ -5,7 +5,8 @@ Owns: the q/kv projections, YaRN rope on the 64 rope dims, and attention itself 
 - *absorbed* form: the cache keeps only [c ; k_rope] (576 values per token for V3); W_uk (kv_b's K half)
   is folded into q, and W_uv (its V half) is applied after attention.
 Both forms give the same numbers; names follow the paper / official reference (wkv_a, kv_norm, q_pe).
-With a cache, both forms read and write *pages* (cache.py's layout; page 0 is scratch); absorbed
+With a cache, both forms read and write *pages* through cache.py's helpers (its layout; page 0 is
+scratch); a batch may be ragged (row b holds chunk_lens[b] real tokens, or one token per row); absorbed
 attention over pages goes through `kernels.mla_attention` (the Pallas MLA kernel on Hopper).
 Must not own cache allocation or page bookkeeping (cache.py, engine) or know about other layers.
 """
@@ -17,33 +18,12 @@ import jax
 import jax.numpy as jnp
 
 from dsv3_jax import kernels
-from dsv3_jax.cache import PageMeta
+from dsv3_jax.cache import PageMeta, gather_pages, write_pages
 from dsv3_jax.config import ModelConfig
 from dsv3_jax.layers import Linear, RMSNorm
 from dsv3_jax.rope import apply_rope, rope_angles
 
 ATTENTION_FORMS = ("absorbed", "naive")
-
-
-def _write_pages(pages: jax.Array, new: jax.Array, meta: PageMeta, start: jax.Array) -> jax.Array:
-    """Scatter new [B, T, ...] into pages [P, page_size, ...] at positions start + t (t < chunk_lens).
-
-    Padding tokens (t >= chunk_lens[b]) go to page 0, the pool's never-allocated scratch page.
-    """
-    b, t = new.shape[:2]
-    ps = pages.shape[1]
-    pos = start[:, None] + jnp.arange(t)[None, :]  # [B, T]
-    logical = jnp.minimum(pos // ps, meta.block_table.shape[1] - 1)
-    page = jnp.take_along_axis(meta.block_table, logical, axis=1)
-    valid = jnp.arange(t)[None, :] < meta.chunk_lens[:, None]
-    page = jnp.where(valid, page, 0)
-    return pages.at[page, pos % ps].set(new.astype(pages.dtype))
-
-
-def _gather_pages(pages: jax.Array, block_table: jax.Array) -> jax.Array:
-    """[P, ps, ...] pages -> [B, max_pages * ps, ...] per-sequence contiguous view."""
-    g = pages[block_table]
-    return g.reshape(g.shape[0], -1, *pages.shape[2:])
 
 
 def _causal_softmax(scores: jax.Array, q_pos: jax.Array, k_pos: jax.Array) -> jax.Array:
@@ -114,7 +94,7 @@ class MLA(nn.Module):
             q_lat = jnp.einsum("bthd,hdr->bthr", q_nope, w_uk)
             new_latent = jnp.concatenate([latent, k_pe], axis=-1)  # [B, T, 576]
             if cache is not None:
-                pages = _write_pages(cache["pages"], new_latent, meta, start)
+                pages = write_pages(cache["pages"], new_latent, meta, start)
                 cache = {"pages": pages}
                 o_lat, _ = kernels.mla_attention(q_lat, q_pe.astype(q_lat.dtype), pages, meta.block_table,
                                                  start, meta.chunk_lens, softmax_scale=scale)
@@ -130,10 +110,10 @@ class MLA(nn.Module):
             v = jnp.einsum("btr,hvr->bthv", latent, w_uv)
             k = jnp.concatenate([k_nope, jnp.broadcast_to(k_pe[:, :, None, :], (b, t, h, dr))], axis=-1)
             if cache is not None:
-                cache = {"k_pages": _write_pages(cache["k_pages"], k, meta, start),
-                         "v_pages": _write_pages(cache["v_pages"], v, meta, start)}
-                k = _gather_pages(cache["k_pages"], meta.block_table).astype(x.dtype)
-                v = _gather_pages(cache["v_pages"], meta.block_table).astype(x.dtype)
+                cache = {"k_pages": write_pages(cache["k_pages"], k, meta, start),
+                         "v_pages": write_pages(cache["v_pages"], v, meta, start)}
+                k = gather_pages(cache["k_pages"], meta.block_table).astype(x.dtype)
+                v = gather_pages(cache["v_pages"], meta.block_table).astype(x.dtype)
                 k_pos = jnp.broadcast_to(jnp.arange(k.shape[1]), (b, k.shape[1]))
             else:
                 k_pos = positions

@@ -1,11 +1,16 @@
-"""Paged KV caches: the page arrays every attention layer reads and writes, and their metadata.
+"""Paged KV caches: the one owner of the cache layout, its metadata and the page read/write helpers.
 
-Owns the cache layout. Absorbed form: `pages [L, P, page_size, kv_lora_rank + rope]` (576 values per
-token per layer for V3); naive form: `k_pages [L, P, page_size, H, 192]`, `v_pages [L, P, page_size, H,
-128]`. One pytree per scanned stack (dense_layers, moe_layers) plus the MTP layer. A sequence's
-logical page i (positions i*page_size ...) lives in physical page `block_table[b, i]`; physical page 0
-is scratch that is never handed out (padding tokens are written there). `contiguous_table` gives each
-sequence its own fixed run of pages (what plain generation uses); the engine allocates pages on demand.
+Owns the cache layout. Absorbed form: leaf `pages [L, P, page_size, kv_lora_rank + rope]` (576 values
+per token per layer for V3); naive form: `k_pages [L, P, page_size, H, 192]`, `v_pages [L, P,
+page_size, H, 128]` (`LEAVES` names them, `token_shapes` gives their per-token shapes, `bytes_per_token`
+derives the cost). One pytree per scanned stack (dense_layers, moe_layers) plus the MTP layer. A
+sequence's logical page i (positions i*page_size ...) lives in physical page `block_table[b, i]`;
+physical page 0 is scratch that is never handed out (padding tokens are written there). The page size
+is `PAGE_SIZE` (the MLA kernel keeps its own copy, `pallas_kernels.mla_decode.PAGE_SIZE`, since kernels
+import nothing from dsv3_jax; a test ties the two). `write_pages` / `gather_pages` are the only code
+that indexes pages; `clear_pages` zeroes pages (a request whose numbers went non-finite must not leave
+NaN where the next owner's masked slots would read it). `contiguous_table` gives each sequence its own
+fixed run of pages; the engine allocates pages on demand.
 Must not know the model's math or scheduling policy.
 """
 
@@ -20,26 +25,48 @@ import numpy as np
 from dsv3_jax.config import ModelConfig
 
 PAGE_SIZE = 64  # the MLA kernel's page; one TMA load of 64 x 576 bf16
+FORMS = ("absorbed", "naive")
+LEAVES = {"absorbed": ("pages",), "naive": ("k_pages", "v_pages")}
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class PageMeta:
-    """Per-call page metadata: block_table [B, max_pages] int32, chunk_lens [B] int32 (valid new tokens)."""
+    """Per-call page metadata: block_table [B, max_pages] int32, chunk_lens [B] int32 (valid new tokens).
+
+    Row b's tokens t < chunk_lens[b] are real; the rest are padding (written to page 0, masked out of
+    attention and of the MoE's token sort).
+    """
 
     block_table: jax.Array
     chunk_lens: jax.Array
 
+    def token_valid(self, t: int) -> jax.Array:
+        """[B, t] bool: which of a [B, t] chunk's tokens are real."""
+        return jnp.arange(t)[None, :] < self.chunk_lens[:, None]
+
+
+def token_shapes(cfg: ModelConfig, form: str = "absorbed") -> dict[str, tuple[int, ...]]:
+    """Per-token, per-layer shape of each cache leaf of `form`."""
+    if form == "absorbed":
+        return {"pages": (cfg.latent_dim,)}
+    if form == "naive":
+        h = cfg.num_attention_heads
+        return {"k_pages": (h, cfg.qk_head_dim), "v_pages": (h, cfg.v_head_dim)}
+    raise ValueError(f"cache form must be one of {FORMS}, got {form!r}")
+
+
+def bytes_per_token(cfg: ModelConfig, form: str = "absorbed", dtype=None, mtp: bool = False) -> int:
+    """Cache bytes one token costs over all layers (absorbed V3, bf16: 576 x 2 x 61 = 70,272)."""
+    per_layer = sum(int(np.prod(s)) for s in token_shapes(cfg, form).values())
+    layers = cfg.num_hidden_layers + (1 if mtp and cfg.num_nextn_predict_layers else 0)
+    return per_layer * jnp.dtype(dtype or cfg.dtype).itemsize * layers
+
 
 def _layer_pages(cfg: ModelConfig, layers: tuple[int, ...], num_pages: int, page_size: int, form: str,
                  dtype) -> dict:
-    if form == "absorbed":
-        return {"pages": jnp.zeros((*layers, num_pages, page_size, cfg.latent_dim), dtype)}
-    if form == "naive":
-        h = cfg.num_attention_heads
-        return {"k_pages": jnp.zeros((*layers, num_pages, page_size, h, cfg.qk_head_dim), dtype),
-                "v_pages": jnp.zeros((*layers, num_pages, page_size, h, cfg.v_head_dim), dtype)}
-    raise ValueError(f"cache form must be 'absorbed' or 'naive', got {form!r}")
+    return {name: jnp.zeros((*layers, num_pages, page_size, *shape), dtype)
+            for name, shape in token_shapes(cfg, form).items()}
 
 
 def allocate(cfg: ModelConfig, num_pages: int, page_size: int = PAGE_SIZE, form: str = "absorbed",
@@ -75,3 +102,33 @@ def allocate_contiguous(cfg: ModelConfig, batch: int, max_len: int, form: str = 
         raise ValueError(f"max_len {max_len} exceeds max_position_embeddings {cfg.max_position_embeddings}")
     table = contiguous_table(batch, max_len, page_size)
     return allocate(cfg, 1 + table.size, page_size, form, dtype, mtp), table
+
+
+# ----------------------------------------------------------------------------- page reads and writes
+def write_pages(pages: jax.Array, new: jax.Array, meta: PageMeta, start: jax.Array) -> jax.Array:
+    """Scatter new [B, T, ...] into pages [P, page_size, ...] at positions start + t (t < chunk_lens).
+
+    Padding tokens (t >= chunk_lens[b]) go to page 0, the pool's never-allocated scratch page.
+    """
+    b, t = new.shape[:2]
+    ps = pages.shape[1]
+    pos = start[:, None] + jnp.arange(t)[None, :]  # [B, T]
+    logical = jnp.minimum(pos // ps, meta.block_table.shape[1] - 1)
+    page = jnp.take_along_axis(meta.block_table, logical, axis=1)
+    page = jnp.where(meta.token_valid(t), page, 0)
+    return pages.at[page, pos % ps].set(new.astype(pages.dtype))
+
+
+def gather_pages(pages: jax.Array, block_table: jax.Array) -> jax.Array:
+    """[P, ps, ...] pages -> [B, max_pages * ps, ...] per-sequence contiguous view."""
+    g = pages[block_table]
+    return g.reshape(g.shape[0], -1, *pages.shape[2:])
+
+
+def clear_pages(cache: dict, pages: jax.Array) -> dict:
+    """Zero physical `pages` [n] (int32; 0 entries touch only the scratch page) in every leaf."""
+    def clear(path, x):
+        stacked = getattr(path[0], "key", None) in ("dense_layers", "moe_layers")
+        return x.at[:, pages].set(0) if stacked else x.at[pages].set(0)
+
+    return jax.tree_util.tree_map_with_path(clear, cache)

@@ -1,37 +1,41 @@
 """Generation on top of the serving engine: what `handle.generate` and the CLI call.
 
-Owns: prompt validation against the context, sizing an engine for a batch of prompts, stop strings
-(cancelling the request in the engine), streaming text through the incremental detokenizer, results
-with timings, and placing page pools on a handle's mesh. Decoding itself (batched prefill, decode steps
-on device, sampling, MTP) is the engine's. Must not parse CLI flags or files.
+Owns: sizing an engine for a batch of prompts, stop strings (cancelling the request in the engine),
+streaming text through the incremental detokenizer, and results with timings. Decoding itself (ragged
+steps on device, sampling, MTP), request validation and pages-needed are the engine's; placing page
+pools on a mesh is sharding.py's. Imports the engine, never the other way round. Must not parse CLI
+flags or files.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import jax
-
 from dsv3_jax import cache as kv_cache
+from dsv3_jax.engine import Engine, EngineConfig, pages_needed, validate_request
 from dsv3_jax.sampling import validate_sampling_params
 from dsv3_jax.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
+class GenerationError(RuntimeError):
+    """A request failed on device (e.g. non-finite logits); the message is one line."""
+
+
 @dataclasses.dataclass
 class GenerationResult:
-    """One prompt's outcome. `finish_reason`: "stop" (EOS or a stop string) or "length"."""
+    """One prompt's outcome. `finish_reason`: "stop" (EOS or a stop string) or "length".
+    Times exclude compilation; `time_to_first_token_s` is None if no token came."""
 
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str | None
     finish_reason: str
-    time_to_first_token_s: float
+    time_to_first_token_s: float | None
     decode_tokens_per_s: float
     total_time_s: float
-    metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # engine per-request metrics
+    metrics: dict[str, float | None] = dataclasses.field(default_factory=dict)  # engine per-request metrics
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -43,25 +47,23 @@ def stream(handle: Any, prompts: Sequence[Sequence[int]], *, max_new_tokens: int
            ) -> Iterator[tuple[int, str, GenerationResult | None]]:
     """Run `prompts` through a serving engine sized for them; yield (prompt index, new text piece,
     result-or-None), the result when a prompt ends. `sampling[i]` holds temperature/top_p/top_k."""
-    from dsv3_jax.engine import Engine, EngineConfig
-
     cfg = handle.config
     prompts = [list(map(int, p)) for p in prompts]
     _validate(cfg, prompts, max_new_tokens)
     if stop and tokenizer is None:
         raise ValueError("stop strings need a tokenizer (this checkpoint has none)")
     ps = kv_cache.PAGE_SIZE
-    pages = sum(kv_cache.pages_for(len(p) + max_new_tokens + spec_k, ps) for p in prompts)
-    # Power-of-two pool and batch sizes: repeated calls reuse the compiled step.
-    ecfg = EngineConfig(num_pages=1 + _pow2(pages), page_size=ps, max_batch=_pow2(len(prompts)),
-                        token_budget=_pow2(len(prompts)) * 256, chunk_size=256, spec_k=spec_k)
+    pages = sum(pages_needed(len(p), max_new_tokens, spec_k, ps) for p in prompts)
+    # Power-of-two pool and row-slot sizes: repeated calls reuse the compiled steps.
+    ecfg = EngineConfig(num_pages=1 + _pow2(pages), page_size=ps, max_batch=max(_pow2(len(prompts)), 64),
+                        spec_k=spec_k)
     eng = Engine(handle, ecfg)
     rids = {eng.add_request(p, max_new_tokens=max_new_tokens, seed=seed + i, eos=eos_ids, **sampling[i]): i
             for i, p in enumerate(prompts)}
     detok = {r: IncrementalDetokenizer(tokenizer) if tokenizer else None for r in rids}
     texts = {r: "" for r in rids}
     stopped: set[int] = set()
-    t0 = time.perf_counter()
+    t0 = eng.clock()
     while eng.has_work():
         for ev in eng.step():
             i, d = rids[ev.rid], detok[ev.rid]
@@ -79,6 +81,10 @@ def stream(handle: Any, prompts: Sequence[Sequence[int]], *, max_new_tokens: int
             if finish and not ev.finished:
                 eng.cancel(ev.rid)
                 stopped.add(ev.rid)
+            if ev.finish_reason == "error":
+                for rid in rids:
+                    eng.cancel(rid)
+                raise GenerationError(f"prompt {i}: {ev.error}")
             if ev.finished or finish:
                 yield from _result(eng, ev.rid, i, texts, d, tokenizer, stopped, t0)
 
@@ -92,10 +98,10 @@ def _result(eng, rid, i, texts, d, tokenizer, stopped, t0):
         if tail:
             yield i, tail, None
     m = r.metrics()
-    total = time.perf_counter() - t0
+    total = eng.clock() - t0
     ttft = m["ttft_s"]
     n_dec = max(len(r.output) - 1, 0)
-    rate = n_dec / (total - ttft) if n_dec and total > ttft else 0.0
+    rate = n_dec / (total - ttft) if n_dec and ttft is not None and total > ttft else 0.0
     yield i, "", GenerationResult(r.prompt, r.output, texts[rid] if tokenizer else None, reason, ttft, rate,
                                   total, m)
 
@@ -107,33 +113,8 @@ def _pow2(n: int) -> int:
 def _validate(cfg: Any, prompts: list[list[int]], max_new_tokens: int) -> None:
     if not prompts:
         raise ValueError("no prompts given")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     for i, p in enumerate(prompts):
-        if not p:
-            raise ValueError(f"prompt {i} is empty")
-        if min(p) < 0 or max(p) >= cfg.vocab_size:
-            raise ValueError(f"prompt {i} has token ids outside [0, {cfg.vocab_size})")
-        if len(p) >= cfg.max_position_embeddings:
-            raise ValueError(f"prompt {i} has {len(p)} tokens; the context is "
-                             f"{cfg.max_position_embeddings} tokens")
-        if len(p) + max_new_tokens > cfg.max_position_embeddings:
-            raise ValueError(f"prompt {i} ({len(p)} tokens) + max_new_tokens ({max_new_tokens}) "
-                             f"overflows the context of {cfg.max_position_embeddings} tokens")
-
-
-def place_cache(handle: Any, cache: dict) -> dict:
-    """Put a page pool on the handle's mesh: pages split over the batch axes where they divide,
-    replicated otherwise (correct either way; the split only saves memory)."""
-    if handle.mesh is None:
-        return cache
-    from dsv3_jax import sharding
-
-    try:
-        return jax.device_put(cache, sharding.cache_shardings(handle.config, handle.mesh, cache))
-    except (ValueError, sharding.MeshError):
-        rep = jax.sharding.NamedSharding(handle.mesh, jax.sharding.PartitionSpec())
-        return jax.device_put(cache, rep)
+        validate_request(cfg, p, max_new_tokens, what=f"prompt {i}")
 
 
 def _stop_cut(text_so_far: str, piece: str, stop: Sequence[str]) -> str | None:

@@ -1,29 +1,36 @@
-"""The serving engine: continuous batching over a paged latent cache, chunked prefill, prefix caching,
-preemption, cancellation, and MTP speculative decoding.
+"""The serving engine: continuous batching over a paged latent cache with ragged token steps, chunked
+prefill, prefix caching, preemption, cancellation, logprobs, a non-finite guard and MTP speculation.
 
-Owns: request state, the per-step scheduler (a token budget per step; running requests first, then
-admission of waiting ones against free pages; long prompts split into chunks so one 100K prompt cannot
-stall the batch), page allocation per request (through paging.PagePool), preemption when pages run
-out (the newest running request is requeued and recomputed, never lost), and the one jitted device
-step: model forward over every scheduled chunk, sampling / speculative verification, and the MTP draft.
-Must not own model math (model.py), sampling rules (sampling.py) or page bookkeeping (paging.py).
+Owns: the public contract (docs: /work/notes/ENGINE_API.md; `Engine`, `EngineConfig`, `StepEvent`,
+`TokenLogprob`), request validation and pages-needed, the step loop  schedule (scheduler.py) -> lay out
+the host batch (step.py) -> execute on device -> commit results, the compiled steps (one per
+`step.StepKey`, compiled ahead of time and timed; compile time is reported apart from step times), the
+device-resident cache and per-request state, and the JAX persistent compilation cache setting.
+Must not own model math (model.py), sampling rules (sampling.py), the batch layout (step.py), the
+schedule (scheduler.py) or page bookkeeping (paging.py).
+
+Host work off the critical path: without speculation, step k+1 is dispatched before step k's results
+are read (a decode row's input token is read on device from the slot the previous step wrote), so the
+host lays out and enqueues the next step while the device runs; only the sampled ids (and logprobs
+when asked) come back. `step()` therefore returns events one device step late; `run()` drains.
+Speculative steps (spec_k > 0) run synchronously: the next schedule needs the acceptance count.
 
 Speculative decoding (k drafts from the MTP head, k <= 3 reusing the one MTP layer): each decode row
 feeds [last token, d_1..d_k]; the main model scores all k+1 positions in one forward; drafts are
-accepted left to right — greedy: while d_j equals the main model's argmax (exactly plain greedy);
-sampled: with probability min(1, p(d_j) / q(d_j)), a rejection resampling from norm(max(p - q, 0))
-(the standard rule: the output distribution is the target's). Rejected positions are rolled back by
-moving the request's length; their cache slots are overwritten by later steps.
+accepted left to right (sampling.speculative_sample); rejected positions are rolled back by moving the
+request's length; their cache slots are overwritten by later steps.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
+import os
 import time
+import weakref
 from collections import deque
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -31,67 +38,81 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv3_jax import cache as kv_cache
-from dsv3_jax.cache import PageMeta
+from dsv3_jax import kernels, moe, sharding, step
 from dsv3_jax.paging import OutOfPages, PagePool
-from dsv3_jax.sampling import SamplingParams, probs_after_filtering, validate_sampling_params
+from dsv3_jax.sampling import MAX_LOGPROBS, validate_sampling_params
+from dsv3_jax.scheduler import Request, Scheduler
 
 log = logging.getLogger(__name__)
+FINISH_REASONS = ("stop", "length", "cancelled", "error")
 
 
+# ------------------------------------------------------------------------------ compilation cache
+CACHE_ENV = "DSV3_JAX_CACHE_DIR"  # a directory, or "off"
+
+
+def compilation_cache_dir() -> Path | None:
+    """Where compiled steps persist across runs: $DSV3_JAX_CACHE_DIR, else the user cache directory
+    ($XDG_CACHE_HOME or ~/.cache)/dsv3_jax/xla; None when set to "off"."""
+    env = os.environ.get(CACHE_ENV)
+    if env is not None:
+        return None if env.strip().lower() in ("", "off", "0", "none") else Path(env).expanduser()
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "dsv3_jax" / "xla"
+
+
+def enable_compilation_cache() -> Path | None:
+    """Turn on JAX's persistent compilation cache (once; a directory the user configured wins)."""
+    if jax.config.jax_compilation_cache_dir:
+        return Path(jax.config.jax_compilation_cache_dir)
+    d = compilation_cache_dir()
+    if d is None:
+        return None
+    d.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(d))
+    try:  # JAX decides once, at its first compile, whether the cache is on: let it decide again
+        from jax._src import compilation_cache
+
+        if compilation_cache._cache_checked and not compilation_cache._cache_used:
+            compilation_cache.reset_cache()
+    except (ImportError, AttributeError):  # another JAX version: the setting applies from the next process
+        log.info("compilation cache set to %s; it applies to programs compiled from now on", d)
+    return d
+
+
+# -------------------------------------------------------------------------------------- contract
 @dataclasses.dataclass
 class EngineConfig:
     num_pages: int = 256  # pages in the pool (page 0 is scratch)
     page_size: int = kv_cache.PAGE_SIZE
-    max_batch: int = 32  # sequences per step
-    token_budget: int = 512  # tokens per step (prefill chunks + decode tokens)
-    chunk_size: int = 256  # longest prefill chunk of one request per step
+    max_batch: int = 256  # sequences per step
+    max_batched_tokens: int = 2048  # token budget per step (prefill chunks + decode tokens)
+    chunk_size: int = 512  # longest prefill chunk of one request per step
     prefix_caching: bool = True
     spec_k: int = 0  # MTP draft tokens per step (0 = off, 1..3)
+    token_budget: int | None = None  # accepted alias of max_batched_tokens
+    pipeline: bool = True  # dispatch step k+1 before reading step k (off: one step at a time)
+    token_buckets: tuple[int, ...] = ()  # flat-token buckets (default: powers of two)
+    row_buckets: tuple[int, ...] = ()  # sequence-count buckets (default: 1, 4, 16, 64, ...)
+    # XLA options for compiling the step, e.g. {"xla_gpu_enable_command_buffer": "FUSION,...,WHILE"}
+    # (benchmarks/engine_bench.py measures such choices on the GPU).
+    compiler_options: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.token_budget is not None:
+            self.max_batched_tokens = self.token_budget
+        self.token_budget = self.max_batched_tokens
+        if not self.token_buckets:
+            self.token_buckets = step.pow2_buckets(1, max(self.max_batched_tokens, 1))
+        if not self.row_buckets:
+            self.row_buckets = step.pow2_buckets(1, max(self.max_batch, 1), 4)
 
 
 @dataclasses.dataclass
-class Request:
-    rid: int
-    prompt: list[int]
-    max_new_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int
-    eos: frozenset[int]
-    output: list[int] = dataclasses.field(default_factory=list)
-    pages: list[int] = dataclasses.field(default_factory=list)
-    computed: int = 0  # tokens whose latents are in the cache (and valid)
-    drafts: list[int] = dataclasses.field(default_factory=list)
-    draft_probs: Any = None  # [k, V] device array of the MTP's filtered probs (sampled verification)
-    finish_reason: str | None = None
-    arrival: float = 0.0
-    first_token_at: float | None = None
-    token_times: list[float] = dataclasses.field(default_factory=list)
-    cached_tokens: int = 0  # prompt tokens served from the prefix cache
-    preemptions: int = 0
-    spec_proposed: int = 0
-    spec_accepted: int = 0
-    steps: int = 0
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.prompt + self.output
-
-    @property
-    def done(self) -> bool:
-        return self.finish_reason is not None
-
-    def metrics(self) -> dict[str, float]:
-        ttft = (self.first_token_at - self.arrival) if self.first_token_at else float("nan")
-        itl = float(np.median(np.diff(self.token_times))) if len(self.token_times) > 1 else float("nan")
-        total = (self.token_times[-1] - self.arrival) if self.token_times else float("nan")
-        nan = float("nan")
-        rate = len(self.output) / total if total else 0.0
-        return {"ttft_s": ttft, "inter_token_s": itl, "tokens_per_s": rate,
-                "cached_prompt_tokens": self.cached_tokens, "preemptions": self.preemptions,
-                "spec_acceptance": self.spec_accepted / self.spec_proposed if self.spec_proposed else nan,
-                "tokens_per_step": len(self.output) / self.steps if self.steps else nan}
+class TokenLogprob:
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
 
 
 @dataclasses.dataclass
@@ -99,6 +120,40 @@ class StepEvent:
     rid: int
     new_tokens: list[int]
     finished: bool
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+    error: str | None = None
+
+
+def pages_needed(prompt_len: int, max_new_tokens: int, spec_k: int, page_size: int) -> int:
+    """Pages a request may hold at its longest (drafts included)."""
+    return kv_cache.pages_for(prompt_len + max_new_tokens + spec_k, page_size)
+
+
+def validate_request(cfg: Any, prompt: Sequence[int], max_new_tokens: int, what: str = "prompt") -> None:
+    """Raise ValueError naming the problem for a prompt the model cannot take."""
+    if len(prompt) == 0:
+        raise ValueError(f"{what} is empty")
+    if not isinstance(max_new_tokens, int | np.integer) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    if min(prompt) < 0 or max(prompt) >= cfg.vocab_size:
+        raise ValueError(f"{what} has token ids outside [0, {cfg.vocab_size})")
+    if len(prompt) + max_new_tokens > cfg.max_position_embeddings:
+        raise ValueError(f"{what} ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) overflows the "
+                         f"context of {cfg.max_position_embeddings} tokens")
+
+
+# Compiled steps per model handle, keyed explicitly (step key, shapes, kernel and dispatch choice);
+# engines over the same handle share them. Dropped when the handle is garbage collected.
+_COMPILED: dict[int, dict[tuple, Any]] = {}
+
+
+def _compiled_for(handle: Any) -> dict[tuple, Any]:
+    hid = id(handle)
+    if hid not in _COMPILED:
+        _COMPILED[hid] = {}
+        weakref.finalize(handle, _COMPILED.pop, hid, None)
+    return _COMPILED[hid]
 
 
 class Engine:
@@ -111,305 +166,268 @@ class Engine:
             raise ValueError(f"spec_k must be in 0..3, got {c.spec_k}")
         if c.spec_k and "mtp" not in handle.params:
             raise ValueError("spec_k > 0 needs the checkpoint's MTP layer (num_nextn_predict_layers >= 1)")
-        if c.chunk_size < 1 or c.token_budget < c.spec_k + 1 or c.max_batch < 1:
-            raise ValueError("chunk_size, max_batch must be >= 1 and token_budget >= spec_k + 1")
-        if handle.mesh is not None:  # every batch shard (data x expert) needs whole rows
-            from dsv3_jax import sharding
-
+        if c.chunk_size < 1 or c.max_batched_tokens < c.spec_k + 1 or c.max_batch < 1:
+            raise ValueError("chunk_size, max_batch must be >= 1 and max_batched_tokens >= spec_k + 1")
+        self._shards = 1
+        if handle.mesh is not None:  # the flat token batch is split over data x expert: whole buckets
             m = sharding.batch_multiple(handle.mesh)
-            self.cfg = c = dataclasses.replace(c, max_batch=-(-c.max_batch // m) * m)
+            c.token_buckets = tuple(b for b in c.token_buckets if b % m == 0) or (m,)
+        enable_compilation_cache()
         self.pool = PagePool(c.num_pages, c.page_size, c.prefix_caching)
-        from dsv3_jax.decode import place_cache
-
-        self.cache = place_cache(handle, kv_cache.allocate(mc, c.num_pages, c.page_size, handle.attention,
-                                                           jnp.dtype(mc.dtype), mtp=bool(c.spec_k)))
-        ctx = min(mc.max_position_embeddings, (c.num_pages - 1) * c.page_size)
-        self._max_pages = kv_cache.pages_for(ctx, c.page_size)
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.cache = sharding.place_cache(handle, kv_cache.allocate(
+            mc, c.num_pages, c.page_size, handle.attention, jnp.dtype(mc.dtype), mtp=bool(c.spec_k)))
+        self.state = step.init_state(c.max_batch + 1, c.spec_k, mc.vocab_size)
+        if handle.mesh is not None:
+            self.state = jax.device_put(self.state, jax.sharding.NamedSharding(handle.mesh,
+                                                                               jax.sharding.PartitionSpec()))
+        self.sched = Scheduler(self.pool, max_batch=c.max_batch, max_batched_tokens=c.max_batched_tokens,
+                               chunk_size=c.chunk_size, spec_k=c.spec_k, num_slots=c.max_batch)
         self.finished: dict[int, Request] = {}
-        self._ids = itertools.count()
-        self.stats = {"steps": 0, "batch_sizes": [], "page_usage": [], "preemptions": 0}
+        # Page-table columns: one width while a sequence fits 64 pages, powers of two beyond.
+        self._min_width = min(step.bucket(c.num_pages - 1, tuple(1 << i for i in range(24))), 64)
+        self._inflight: tuple | None = None
+        self._sync_next = False
+        self._compile_s = 0.0
+        leaves, tree = jax.tree.flatten((self.cache, self.state))
+        self._sig = (str(tree), tuple((x.shape, str(x.dtype)) for x in leaves), id(handle.mesh))
+        # Counters, plus the most recent per-step records (bounded: a server runs for days).
+        recent = 1 << 16
+        self.stats: dict[str, Any] = {"steps": 0, "batch_sizes": deque(maxlen=recent),
+                                      "tokens": deque(maxlen=recent), "padded_tokens": deque(maxlen=recent),
+                                      "sum_rows": 0, "sum_tokens": 0, "sum_padded": 0, "peak_page_usage": 0.0,
+                                      "preemptions": 0, "compiles": 0, "compile_s": 0.0,
+                                      "spec_proposed": 0, "spec_accepted": 0}
+
+    # ------------------------------------------------------------------ queues (scheduler's)
+    @property
+    def waiting(self):
+        return self.sched.waiting
+
+    @property
+    def running(self):
+        return self.sched.running
+
+    def clock(self) -> float:
+        """Wall time minus time spent compiling: request timings exclude compiles."""
+        return time.perf_counter() - self._compile_s
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: Sequence[int], *, max_new_tokens: int = 64, temperature: float = 0.0,
-                    top_p: float = 1.0, top_k: int = 0, seed: int = 0, eos: Sequence[int] = ()) -> int:
-        mc = self.handle.config
+                    top_p: float = 1.0, top_k: int = 0, seed: int = 0, eos: Sequence[int] = (),
+                    logprobs: int | None = None) -> int:
         prompt = [int(t) for t in prompt]
-        if not prompt:
-            raise ValueError("empty prompt")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        validate_request(self.handle.config, prompt, max_new_tokens)
         validate_sampling_params(temperature, top_p, top_k)
+        if logprobs is not None and not (isinstance(logprobs, int | np.integer)
+                                         and 0 <= logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an integer in 0..{MAX_LOGPROBS} (or None), got {logprobs!r}")
         total = len(prompt) + max_new_tokens + self.cfg.spec_k
-        if total > mc.max_position_embeddings:
-            raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) overflows the "
-                             f"context of {mc.max_position_embeddings} tokens")
-        need = kv_cache.pages_for(total, self.cfg.page_size)
+        if total > self.handle.config.max_position_embeddings:
+            raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) + spec_k overflows "
+                             f"the context of {self.handle.config.max_position_embeddings} tokens")
+        need = pages_needed(len(prompt), max_new_tokens, self.cfg.spec_k, self.cfg.page_size)
         if need > self.pool.num_pages - 1:
             raise ValueError(f"request needs {need} pages of {self.cfg.page_size} tokens but the pool has "
                              f"{self.pool.num_pages - 1}: it could never run")
-        r = Request(next(self._ids), prompt, max_new_tokens, float(temperature), float(top_p), int(top_k),
-                    int(seed), frozenset(int(e) for e in eos), arrival=time.perf_counter())
+        r = Request(next(self.sched.ids), prompt, max_new_tokens, float(temperature), float(top_p),
+                    int(top_k), int(seed), frozenset(int(e) for e in eos), logprobs=logprobs,
+                    arrival=self.clock())
         self.waiting.append(r)
         return r.rid
 
     def cancel(self, rid: int) -> bool:
         """Stop a request now and free its pages; True if it was waiting or running."""
-        for q in (self.waiting, self.running):
-            for r in list(q):
-                if r.rid == rid:
-                    q.remove(r)
-                    self._finish(r, "cancelled")
-                    return True
+        for r in (*self.waiting, *self.running):
+            if r.rid == rid:
+                self._finish(r, "cancelled")
+                return True
         return False
 
-    def _finish(self, r: Request, reason: str) -> None:
-        r.finish_reason = reason
-        self.pool.release(r.pages)
-        r.pages = []
+    def _finish(self, r: Request, reason: str, error: str | None = None) -> None:
+        r.finish_reason, r.error = reason, error
+        if reason == "error" and r.pages:
+            # Its pages may hold NaN: zero them so the next owner's masked slots stay finite.
+            pages = np.zeros(step.bucket(len(r.pages), tuple(1 << i for i in range(24))), np.int32)
+            pages[:len(r.pages)] = r.pages
+            self.cache = _clear_pages(self.cache, jnp.asarray(pages))
+        self.sched.remove(r)
         self.finished[r.rid] = r
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        """True while a step may still produce events (an in-flight step counts if a row is live)."""
+        return bool(self.waiting or self.running
+                    or (self._inflight and any(not r.done for r, _ in self._inflight[1])))
 
-    # ------------------------------------------------------------------ scheduling
-    def _ensure_pages(self, r: Request, upto: int) -> bool:
-        need = kv_cache.pages_for(upto, self.cfg.page_size) - len(r.pages)
-        if need <= 0:
-            return True
-        try:
-            r.pages += self.pool.allocate(need)
-            return True
-        except OutOfPages:
-            return False
-
-    def _preempt(self, victim: Request) -> None:
-        """Requeue `victim` at the front, dropping its cache (recomputed on readmission)."""
-        self.running.remove(victim)
-        self.pool.release(victim.pages)
-        victim.pages, victim.computed, victim.drafts, victim.draft_probs = [], 0, [], None
-        victim.preemptions += 1
-        self.stats["preemptions"] += 1
-        self.waiting.appendleft(victim)
-
-    def _schedule(self) -> list[tuple[Request, int]]:
-        """(request, number of tokens to compute this step) under the token and batch budgets."""
-        budget, plan = self.cfg.token_budget, []
-        for r in list(self.running):
-            if budget <= 0 or len(plan) >= self.cfg.max_batch:
-                break
-            if r not in self.running:  # preempted by an earlier row of this plan
-                continue
-            n = min(len(r.tokens) - r.computed, self.cfg.chunk_size, budget)
-            if len(r.tokens) - r.computed == 1:
-                n = 1 + len(r.drafts)  # decode: last token + its drafts
-            while not self._ensure_pages(r, r.computed + n):
-                victims = [v for v in self.running if v is not r and v not in (p for p, _ in plan)]
-                if not victims:
-                    victims = [v for v in self.running if v is not r]
-                    if not victims:
-                        raise OutOfPages("a single request does not fit the page pool")
-                    plan = [(p, k) for p, k in plan if p is not victims[-1]]
-                self._preempt(victims[-1])
-            plan.append((r, n))
-            budget -= n
-        while self.waiting and budget > 0 and len(plan) < self.cfg.max_batch:
-            r = self.waiting[0]
-            if not r.pages:
-                hit = self.pool.match_prefix(r.tokens, (len(r.tokens) - 1) // self.cfg.page_size)
-                r.pages, r.computed = hit, len(hit) * self.cfg.page_size
-                if not r.preemptions:
-                    r.cached_tokens = r.computed
-            n = min(len(r.tokens) - r.computed, self.cfg.chunk_size, budget)
-            if not self._ensure_pages(r, r.computed + n):
-                break  # admission control: wait for pages to free up
-            self.waiting.popleft()
-            self.running.append(r)
-            plan.append((r, n))
-            budget -= n
-        return plan
-
-    # ------------------------------------------------------------------ the device step
+    # ------------------------------------------------------------------ the step loop
     def step(self) -> list[StepEvent]:
-        plan = self._schedule()
+        """Schedule, dispatch and (one step later when pipelined) commit; returns finished work."""
+        events: list[StepEvent] = []
+        if self._inflight and (self._sync_next or not self._pipelined()):
+            events += self._drain()
+        self._sync_next = False
+        plan, starved = self.sched.schedule(can_preempt=self._inflight is None)
+        self.stats["preemptions"] = self.sched.preemptions
+        if starved:
+            self._sync_next = True  # the next schedule runs without a step in flight, so it may preempt
         if not plan:
-            if self.waiting:
+            if self._inflight:
+                return events + self._drain()
+            if self.waiting and not self.running:
                 raise OutOfPages("no request can be scheduled: the page pool is too small")
-            return []
-        c = self.cfg
-        k = c.spec_k
-        # Static shapes (two compiles per engine): every row padded to max_batch, every block table to
-        # the longest a request can need, and T either a decode step (k + 1) or a prefill chunk.
-        b, maxp = c.max_batch, self._max_pages
-        t = k + 1 if max(n for _, n in plan) <= k + 1 else max(c.chunk_size, k + 1)
-        toks = np.zeros((b, t), np.int32)
-        start = np.zeros(b, np.int32)
-        lens = np.zeros(b, np.int32)
-        ndraft = np.zeros(b, np.int32)
-        final = np.zeros(b, bool)
-        hint = np.zeros(b, np.int32)
-        table = np.zeros((b, maxp), np.int32)
-        temp, top_p, top_k = np.zeros(b, np.float32), np.ones(b, np.float32), np.zeros(b, np.int32)
-        seeds, counters = np.zeros(b, np.int32), np.zeros(b, np.int32)
-        qprobs = None
-        if k and any(r.draft_probs is not None for r, _ in plan):
-            v = self.handle.config.vocab_size
-            qprobs = [r.draft_probs if r.draft_probs is not None else jnp.zeros((k, v)) for r, _ in plan]
-            qprobs = jnp.stack(qprobs + [jnp.zeros((k, v))] * (b - len(plan)))
-        for i, (r, n) in enumerate(plan):
-            toks[i, :n] = (r.tokens + r.drafts)[r.computed:r.computed + n]
-            start[i], lens[i] = r.computed, n
-            is_decode = r.computed + n >= len(r.tokens)
-            ndraft[i] = len(r.drafts) if is_decode else 0
-            final[i] = is_decode
-            hint[i] = r.tokens[r.computed + n] if not is_decode else 0
-            table[i, :len(r.pages)] = r.pages
-            temp[i], top_p[i], top_k[i] = r.temperature, r.top_p, r.top_k
-            seeds[i], counters[i] = r.seed, len(r.output)
-        sp = SamplingParams(jnp.asarray(temp), jnp.asarray(top_p), jnp.asarray(top_k))
-        with self.handle.mesh_context():  # the MoE runs expert-parallel when traced under a mesh
-            out = self._device_step(k, qprobs is not None)(
-                self.handle.params, self.cache, jnp.asarray(toks), jnp.asarray(start), jnp.asarray(lens),
-                jnp.asarray(table), sp, jnp.asarray(seeds), jnp.asarray(counters), jnp.asarray(ndraft),
-                jnp.asarray(final), jnp.asarray(hint), qprobs)
-        self.cache = out["cache"]
-        new_tokens, n_new = np.asarray(out["tokens"]), np.asarray(out["n_new"])
-        drafts = np.asarray(out["drafts"]) if k else None
-        now = time.perf_counter()
-        self.stats["steps"] += 1
-        self.stats["batch_sizes"].append(len(plan))
-        self.stats["page_usage"].append(self.pool.num_used / (self.pool.num_pages - 1))
+            return events
+        batch = step.build([row for _, row in plan], spec_k=self.cfg.spec_k,
+                           token_buckets=self.cfg.token_buckets, row_buckets=self.cfg.row_buckets,
+                           min_width=self._min_width, logprobs=any(r.logprobs is not None for r, _ in plan),
+                           num_shards=self._shards, scratch_slot=self.cfg.max_batch)
+        for r, row in plan:
+            r.computed += row.n
+            r.pending += row.final
+        outs = self._execute(batch)
+        st = self.stats
+        st["steps"] += 1
+        for name, total, v in (("batch_sizes", "sum_rows", len(plan)),
+                               ("tokens", "sum_tokens", batch.n_scheduled),
+                               ("padded_tokens", "sum_padded", batch.key.tokens)):
+            st[name].append(v)
+            st[total] += v
+        st["peak_page_usage"] = max(st["peak_page_usage"], self.pool.num_used / (self.pool.num_pages - 1))
+        prev, self._inflight = self._inflight, (batch, plan, outs)
+        if prev is not None:
+            events += self._commit(prev)
+        if not self._pipelined():
+            events += self._drain()
+        return events
+
+    def _pipelined(self) -> bool:
+        return self.cfg.pipeline and not self.cfg.spec_k
+
+    def _drain(self) -> list[StepEvent]:
+        prev, self._inflight = self._inflight, None
+        return self._commit(prev) if prev is not None else []
+
+    def _execute(self, batch: step.StepBatch):
+        fn = self._compiled(batch.key)
+        ints, floats = self._put(batch.ints), self._put(batch.floats)
+        with self.handle.mesh_context():
+            out_ints, out_floats, self.cache, self.state = fn(self.handle.params, self.cache, self.state,
+                                                              ints, floats)
+        out_ints.copy_to_host_async()
+        if batch.key.logprobs:
+            out_floats.copy_to_host_async()
+        return out_ints, out_floats
+
+    def _put(self, x: np.ndarray) -> jax.Array:
+        if self.handle.mesh is None:
+            return jnp.asarray(x)
+        rep = jax.sharding.NamedSharding(self.handle.mesh, jax.sharding.PartitionSpec())
+        return jax.make_array_from_callback(x.shape, rep, lambda idx: x[idx])
+
+    def _compiled(self, key: step.StepKey):
+        store = _compiled_for(self.handle)
+        opts = dict(self.cfg.compiler_options or {})
+        ck = (key, self._sig, kernels.backend(), moe._forced_dispatch.get(), tuple(sorted(opts.items())))
+        if ck not in store:
+            t0 = time.perf_counter()
+            ints = jax.ShapeDtypeStruct((sum(int(np.prod(s)) for _, s in step.int_fields(key)),), jnp.int32)
+            floats = jax.ShapeDtypeStruct((sum(int(np.prod(s)) for _, s in step.float_fields(key)),),
+                                          jnp.float32)
+            if self.handle.mesh is not None:
+                rep = jax.sharding.NamedSharding(self.handle.mesh, jax.sharding.PartitionSpec())
+                ints = jax.ShapeDtypeStruct(ints.shape, ints.dtype, sharding=rep)
+                floats = jax.ShapeDtypeStruct(floats.shape, floats.dtype, sharding=rep)
+            fn = jax.jit(step.make_step(self.handle.model, key), donate_argnums=(1, 2))
+            with self.handle.mesh_context():
+                lowered = fn.lower(self.handle.params, self.cache, self.state, ints, floats)
+                store[ck] = lowered.compile(compiler_options=opts) if opts else lowered.compile()
+            dt = time.perf_counter() - t0
+            self._compile_s += dt
+            self.stats["compiles"] += 1
+            self.stats["compile_s"] += dt
+            log.info("compiled step %s in %.1f s", key, dt)
+        return store[ck]
+
+    def warmup(self, token_counts: Sequence[int] | None = None, row_counts: Sequence[int] | None = None,
+               sampled: bool = False) -> float:
+        """Compile steps ahead of time; returns the seconds spent. Default: every decode batch bucket
+        (S rows of spec_k + 1 tokens) and every single-row prefill bucket. With counts given: every
+        (token bucket, row bucket) pair of them that can occur (rows <= tokens / (spec_k + 1)).
+        Other shapes compile on first use; all persist in the compilation cache."""
+        c, before = self.cfg, self._compile_s
+        j = c.spec_k + 1
+        if token_counts is None and row_counts is None:
+            pairs = {(step.bucket(s * j, c.token_buckets), s) for s in c.row_buckets}
+            pairs |= {(n, c.row_buckets[0]) for n in c.token_buckets}
+        else:
+            ns = sorted({step.bucket(n, c.token_buckets) for n in (token_counts or c.token_buckets)})
+            ss = sorted({step.bucket(s, c.row_buckets) for s in (row_counts or c.row_buckets)})
+            pairs = {(n, s) for n in ns for s in ss if s == ss[0] or s * j <= n}
+        for n, s in sorted(pairs):
+            self._compiled(step.StepKey(n, s, self._min_width, c.spec_k, sampled, False))
+        return self._compile_s - before
+
+    # ------------------------------------------------------------------ commit
+    def _commit(self, inflight: tuple) -> list[StepEvent]:
+        batch, plan, (out_ints, out_floats) = inflight
+        key = batch.key
+        out = step.unpack_outputs(key, np.asarray(out_ints), np.asarray(out_floats) if key.logprobs else None)
+        now = self.clock()
         events = []
-        for i, (r, n) in enumerate(plan):
-            r.steps += final[i]
-            if not final[i]:  # a prefill chunk that does not reach the prompt's end
-                r.computed += n
+        ps = self.cfg.page_size
+        for (r, row), i in zip(plan, batch.row_index, strict=True):
+            if r.done or r.slot != row.slot:  # finished, cancelled or preempted since it was scheduled
                 continue
-            accepted = int(n_new[i]) - 1
-            r.spec_proposed += int(ndraft[i])
+            r.pending -= row.final
+            if not out["finite"][i]:
+                self._finish(r, "error", f"non-finite logits at position {row.start + row.n - 1} (numerical "
+                             f"overflow or corrupt weights); request stopped")
+                events.append(StepEvent(r.rid, [], True, "error", error=r.error))
+                continue
+            if not row.final:  # a prefill chunk short of the prompt's end
+                self._register(r, row.start + row.n, ps)
+                continue
+            n_new = int(out["n_new"][i])
+            accepted = n_new - 1
+            r.steps += 1
+            r.spec_proposed += row.ndraft
             r.spec_accepted += accepted
-            r.computed += n - int(ndraft[i]) + accepted  # roll back past the first rejection
-            got = [int(x) for x in new_tokens[i, : n_new[i]]]
-            emitted = []
-            for tok in got:
+            self.stats["spec_proposed"] += row.ndraft
+            self.stats["spec_accepted"] += accepted
+            r.computed -= row.ndraft - accepted  # roll back past the first rejected draft
+            emitted, lps = [], []
+            for jj, tok in enumerate(out["tokens"][i, :n_new].tolist()):
                 if tok in r.eos:
                     r.finish_reason = "stop"
                     break
                 r.output.append(tok)
                 emitted.append(tok)
                 r.token_times.append(now)
+                if r.logprobs is not None:
+                    top = list(zip(out["top_ids"][i, jj, :r.logprobs].tolist(),
+                                   out["top_logprobs"][i, jj, :r.logprobs].tolist(), strict=True))
+                    lps.append(TokenLogprob(tok, float(out["logprob"][i, jj]), top))
                 if len(r.output) >= r.max_new_tokens:
                     r.finish_reason = "length"
                     break
+            r.output_logprobs += lps
             if r.first_token_at is None and (emitted or r.finish_reason):
                 r.first_token_at = now
-            # Publish full computed pages (prompt and output) for prefix reuse.
-            self.pool.register(r.tokens[: r.computed], r.pages)
-            if k and not r.done:
-                r.drafts = [int(x) for x in drafts[i]]
-                # The draft distribution is needed only to verify sampled rows (greedy compares tokens).
-                r.draft_probs = out["draft_probs"][i] if r.temperature > 0 else None
+            self._register(r, row.start + row.n - row.ndraft + accepted, ps)
+            if self.cfg.spec_k and not r.done:
+                r.drafts = out["drafts"][i].tolist()
             if r.done:
-                reason = r.finish_reason
-                self.running.remove(r)
+                reason, r.finish_reason = r.finish_reason, None
                 self._finish(r, reason)
-            events.append(StepEvent(r.rid, emitted, r.done))
+            events.append(StepEvent(r.rid, emitted, r.done, r.finish_reason,
+                                    lps if r.logprobs is not None else None))
         return events
 
-    def _device_step(self, k: int, sampled_verify: bool):
-        # Compiled steps live on the handle, so engines over the same model share them.
-        steps = self.handle.__dict__.setdefault("_engine_steps", {})
-        if (k, sampled_verify) not in steps:
-            steps[(k, sampled_verify)] = self._build_step(k, sampled_verify)
-        return steps[(k, sampled_verify)]
-
-    def _build_step(self, k: int, sampled_verify: bool):
-        model = self.handle.model
-
-        def row_keys(seeds, counters, salt):
-            def one(s, c):
-                return jax.random.fold_in(jax.random.fold_in(jax.random.key(s), c), salt)
-            return jax.vmap(one)(seeds, counters)
-
-        def step(params, cache, toks, start, lens, table, sp, seeds, counters, ndraft, final, hint, qprobs):
-            b, t = toks.shape
-            pos = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-            meta = PageMeta(table, lens)
-            logits, hidden, cache = model.apply({"params": params}, toks, pos, cache, meta)
-            # Target logits for the last committed token and each draft: rows L-1-ndraft .. L-1.
-            base = lens - 1 - ndraft
-            idx = jnp.clip(base[:, None] + jnp.arange(k + 1)[None, :], 0, t - 1)  # [B, k+1]
-            tgt = jnp.take_along_axis(logits, idx[:, :, None], axis=1)  # [B, k+1, V]
-            p = jax.vmap(lambda lg: probs_after_filtering(lg, sp), in_axes=1, out_axes=1)(tgt)  # [B,k+1,V]
-            greedy = sp.temperature <= 0
-            out_tok = []
-            alive = jnp.ones((b,), bool)
-            n_new = jnp.zeros((b,), jnp.int32)
-            for j in range(k + 1):
-                key = row_keys(seeds, counters + j, 1)
-                is_draft_slot = j < ndraft
-                draft = jnp.take_along_axis(toks, jnp.clip(idx[:, j:j + 1] + 1, 0, t - 1), axis=1)[:, 0]
-                pj = p[:, j]
-                sampled = jax.vmap(lambda kk, pp: jax.random.categorical(kk, jnp.log(pp)))(key, pj)
-                tok_plain = jnp.where(greedy, jnp.argmax(pj, -1), sampled).astype(jnp.int32)
-                if sampled_verify and j < k:
-                    q = qprobs[:, j]
-                    pd = jnp.take_along_axis(pj, draft[:, None], 1)[:, 0]
-                    qd = jnp.take_along_axis(q, draft[:, None], 1)[:, 0]
-                    u = jax.vmap(lambda kk: jax.random.uniform(jax.random.fold_in(kk, 7)))(key)
-                    acc_s = u * qd <= pd
-                    resid = jnp.maximum(pj - q, 0.0)
-                    resid = jnp.where(resid.sum(-1, keepdims=True) > 0, resid, pj)
-                    rs = jax.vmap(lambda kk, rr: jax.random.categorical(jax.random.fold_in(kk, 9),
-                                                                        jnp.log(rr)))(key, resid)
-                    accept = jnp.where(greedy, draft == tok_plain, acc_s)
-                    replacement = jnp.where(greedy, tok_plain, rs).astype(jnp.int32)
-                else:
-                    accept = draft == tok_plain
-                    replacement = tok_plain
-                accept = accept & is_draft_slot
-                emit = jnp.where(accept, draft, jnp.where(is_draft_slot, replacement, tok_plain))
-                out_tok.append(jnp.where(alive, emit, 0))
-                n_new = n_new + alive.astype(jnp.int32)
-                alive = alive & is_draft_slot & accept
-            tokens = jnp.stack(out_tok, 1)  # [B, k+1]; the first n_new are valid
-            res = {"tokens": tokens, "n_new": n_new, "cache": cache}
-            if not k:
-                return res
-            # MTP: feed (hidden_i, token_{i+1}) for every committed position of this chunk, filling its
-            # cache; the draft for the next step comes from the last one. Mid-prefill rows take the next
-            # prompt token as token_{i+1}.
-            accepted = n_new - 1
-            commit = lens - ndraft + accepted  # committed tokens of this chunk
-            bonus = jnp.take_along_axis(tokens, accepted[:, None], 1)[:, 0]
-            nxt = jnp.where(final, bonus, hint)
-            shifted = jnp.concatenate([toks[:, 1:], jnp.zeros((b, 1), toks.dtype)], 1)
-            shifted = jnp.where(jnp.arange(t)[None, :] == (commit - 1)[:, None], nxt[:, None], shifted)
-            mlog, mh, cache = model.apply({"params": params}, hidden, shifted, pos, cache,
-                                          PageMeta(table, commit), method=model.mtp_logits)
-            last = (commit - 1)[:, None]
-            dl = jnp.take_along_axis(mlog, last[:, :, None], 1)[:, 0]
-            dh = jnp.take_along_axis(mh, last[:, :, None], 1)
-            dpos = jnp.take_along_axis(pos, last, 1)
-            drafts, dprobs = [], []
-            for j in range(k):
-                q = probs_after_filtering(dl, sp)
-                key = row_keys(seeds, counters + accepted + 1 + j, 2)
-                s = jax.vmap(lambda kk, qq: jax.random.categorical(kk, jnp.log(qq)))(key, q)
-                d = jnp.where(greedy, jnp.argmax(q, -1), s).astype(jnp.int32)
-                drafts.append(d)
-                dprobs.append(q)
-                if j + 1 < k:  # recurse: the MTP layer again, on its own hidden and the draft
-                    dpos = dpos + 1
-                    one = PageMeta(table, jnp.ones_like(lens))
-                    dl3, dh, cache = model.apply({"params": params}, dh, d[:, None], dpos, cache, one,
-                                                 method=model.mtp_logits)
-                    dl = dl3[:, 0]
-            res.update(cache=cache, drafts=jnp.stack(drafts, 1), draft_probs=jnp.stack(dprobs, 1))
-            return res
-
-        return jax.jit(step, donate_argnums=(1,))
+    def _register(self, r: Request, upto: int, ps: int) -> None:
+        """Publish newly filled pages (prompt and output) for prefix reuse; hashing runs only when a page
+        fills, not every step."""
+        full = min(upto, r.known) // ps
+        if full > r.registered_pages:
+            self.pool.register(r.tokens[:full * ps], r.pages)
+            r.registered_pages = full
 
     # ------------------------------------------------------------------ driving
     def run(self) -> Iterator[StepEvent]:
@@ -423,12 +441,19 @@ class Engine:
             pass
         return [self.finished[r] for r in rids]
 
-    def engine_stats(self) -> dict[str, float]:
-        done = list(self.finished.values())
-        prop = sum(r.spec_proposed for r in done)
-        return {"steps": self.stats["steps"],
-                "mean_batch": float(np.mean(self.stats["batch_sizes"])) if self.stats["batch_sizes"] else 0,
-                "peak_page_usage": max(self.stats["page_usage"], default=0.0),
+    def engine_stats(self) -> dict[str, Any]:
+        """Counters over the engine's life (JSON-safe: None where undefined)."""
+        s = self.stats
+        prop = s["spec_proposed"]
+        n = max(s["steps"], 1)
+        return {"steps": s["steps"], "mean_batch": s["sum_rows"] / n, "mean_tokens": s["sum_tokens"] / n,
+                "mean_padded_tokens": s["sum_padded"] / n, "peak_page_usage": s["peak_page_usage"],
                 "prefix_hit_rate": self.pool.hits / self.pool.lookups if self.pool.lookups else 0.0,
-                "preemptions": self.stats["preemptions"],
-                "mtp_acceptance": sum(r.spec_accepted for r in done) / prop if prop else float("nan")}
+                "preemptions": self.sched.preemptions,
+                "mtp_acceptance": s["spec_accepted"] / prop if prop else None,
+                "compiles": s["compiles"], "compile_s": s["compile_s"]}
+
+
+@jax.jit
+def _clear_pages(cache: dict, pages: jax.Array) -> dict:
+    return kv_cache.clear_pages(cache, pages)

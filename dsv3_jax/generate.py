@@ -149,13 +149,17 @@ def _gen_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _print_stats(results) -> None:
+    def num(x):  # metrics are None where undefined (JSON-safe); print those as nan
+        return float("nan") if x is None else x
+
     for i, r in enumerate(results):
         m = r.metrics
-        print(f"[stats] request {i}: {len(r.token_ids)} tokens, ttft {r.time_to_first_token_s * 1e3:.0f} ms, "
-              f"inter-token {m.get('inter_token_s', float('nan')) * 1e3:.1f} ms, "
+        ttft = num(r.time_to_first_token_s)
+        print(f"[stats] request {i}: {len(r.token_ids)} tokens, ttft {ttft * 1e3:.0f} ms, "
+              f"inter-token {num(m.get('inter_token_s')) * 1e3:.1f} ms, "
               f"{r.decode_tokens_per_s:.1f} tok/s, prefix-cached {m.get('cached_prompt_tokens', 0)}, "
-              f"MTP acceptance {m.get('spec_acceptance', float('nan')):.2f}, "
-              f"tokens/step {m.get('tokens_per_step', float('nan')):.2f}", file=sys.stderr)
+              f"MTP acceptance {num(m.get('spec_acceptance')):.2f}, "
+              f"tokens/step {num(m.get('tokens_per_step')):.2f}", file=sys.stderr)
 
 
 def _run_batch(handle, args: argparse.Namespace) -> None:
@@ -206,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     import jinja2
 
     from dsv3_jax.cli import report_error
+    from dsv3_jax.decode import GenerationError
 
     args = _parser().parse_args(argv)
     try:
@@ -216,6 +221,11 @@ def main(argv: list[str] | None = None) -> int:
 
             validate_sampling_params(1.0, 1.0, 0, seed=args.seed + n - 1)  # prompt i samples with seed + i
         handle = _load(args)
+        from dsv3_jax.engine import enable_compilation_cache
+
+        where = enable_compilation_cache()
+        print(f"[dsv3_jax] compilation cache: {where or 'off'} (set DSV3_JAX_CACHE_DIR to move it, 'off' "
+              f"to disable)", file=sys.stderr)
         if handle.tokenizer is None:
             raise ValueError(f"{args.ckpt}: no tokenizer.json in the checkpoint; the CLI needs one")
         if args.interactive:
@@ -224,6 +234,9 @@ def main(argv: list[str] | None = None) -> int:
             _run_batch(handle, args)
     except (ValueError, OSError, jinja2.TemplateError) as e:  # ConfigError, CheckpointError, PlanError...
         return report_error("generate", e)
+    except GenerationError as e:  # the engine stopped a request (e.g. non-finite logits): one line, exit 1
+        report_error("generate", e)
+        return 1
     except KeyboardInterrupt:
         return 130
     return 0

@@ -133,12 +133,14 @@ def mla_attention(q_latent: jax.Array, q_rope: jax.Array, kv_pages: jax.Array, b
     q_latent [B, T, H, R], q_rope [B, T, H, r], kv_pages [P, page, R + r]; token t of row b sits at
     start_pos[b] + t (its latent already in the pages); rows t >= chunk_lens[b] are padding.
     Returns (out [B, T, H, R] before W_uv, lse [B, T, H]). The Pallas kernel needs DeepSeek's widths
-    (512 + 64), 64-token pages and bf16; other shapes use the reference (logged once).
+    (512 + 64), its page size (`mla_decode.PAGE_SIZE`, = cache.PAGE_SIZE) and bf16; other shapes
+    use the reference (logged once). A ragged token batch calls this with one token per row (T = 1).
     """
     from pallas_kernels import mla_reference
+    from pallas_kernels.mla_decode import PAGE_SIZE as KERNEL_PAGE
 
     fits = (q_latent.shape[-1] == mla_reference.LATENT_DIM and q_rope.shape[-1] == mla_reference.ROPE_DIM
-            and kv_pages.shape[1] == 64 and kv_pages.dtype == jnp.bfloat16)
+            and kv_pages.shape[1] == KERNEL_PAGE and kv_pages.dtype == jnp.bfloat16)
     if backend() == "pallas":
         if fits:
             from pallas_kernels.mla_prefill import mla_prefill
@@ -155,5 +157,5 @@ def mla_attention(q_latent: jax.Array, q_rope: jax.Array, kv_pages: jax.Array, b
 
 @functools.cache
 def _log_mla_shape_fallback(latent: tuple[int, ...], dtype: str) -> None:
-    log.warning("dsv3_jax.kernels: MLA kernel needs latent 512 + rope 64, page 64, bf16; got latent %s, "
-                "%s: using the jnp reference", latent, dtype)
+    log.warning("dsv3_jax.kernels: MLA kernel needs latent 512 + rope 64, 64-token pages, bf16; got "
+                "latent %s, %s: using the jnp reference", latent, dtype)

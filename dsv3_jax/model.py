@@ -26,6 +26,11 @@ from dsv3_jax.layers import MLP, Linear, RMSNorm
 from dsv3_jax.moe import MoE
 
 
+def _at(x: jax.Array, select: jax.Array | None) -> jax.Array:
+    """x [B, T, D], or the tokens at flat indices `select` of its [B*T] ([*select.shape, D])."""
+    return x if select is None else x.reshape(-1, x.shape[-1])[select]
+
+
 class Block(nn.Module):
     """x + MLA(norm(x)), then + MLP-or-MoE(norm(x)). Called by nn.scan: (x, cache) -> (x, cache)."""
 
@@ -44,7 +49,8 @@ class Block(nn.Module):
         x = x + h
         hn = RMSNorm(c.hidden_size, c.rms_norm_eps, self.param_dtype, name="post_attention_layernorm")(x)
         if self.is_moe:
-            x = x + MoE(c, self.param_dtype, self.fp8, name="mlp")(hn)
+            valid = None if meta is None else meta.token_valid(x.shape[1])
+            x = x + MoE(c, self.param_dtype, self.fp8, name="mlp")(hn, valid)
         else:
             x = x + MLP(c.hidden_size, c.intermediate_size, self.param_dtype, self.fp8, name="mlp")(hn)
         return x, cache
@@ -70,7 +76,7 @@ class MTP(nn.Module):
 
     @nn.compact
     def __call__(self, hidden: jax.Array, next_tokens: jax.Array, positions: jax.Array,
-                 cache: dict | None = None, meta: PageMeta | None = None):
+                 cache: dict | None = None, meta: PageMeta | None = None, select: jax.Array | None = None):
         c = self.cfg
         d = c.hidden_size
         emb = nn.Embed(c.vocab_size, d, param_dtype=self.param_dtype, name="embed_tokens")(next_tokens)
@@ -80,7 +86,7 @@ class MTP(nn.Module):
         x, cache = Block(c, True, self.param_dtype, self.fp8, self.form, name="block")(x, cache, positions,
                                                                                       meta)
         x = RMSNorm(d, c.rms_norm_eps, self.param_dtype, name="shared_head_norm")(x)
-        logits = Linear(d, c.vocab_size, self.param_dtype, False, name="shared_head_head")(x)
+        logits = Linear(d, c.vocab_size, self.param_dtype, False, name="shared_head_head")(_at(x, select))
         return logits.astype(jnp.float32), x, cache
 
 
@@ -105,11 +111,14 @@ class Transformer(nn.Module):
             self.mtp = MTP(c, self.param_dtype, self.fp8, self.form)
 
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None, cache: dict | None = None,
-                 meta: PageMeta | None = None):
+                 meta: PageMeta | None = None, select: jax.Array | None = None):
         """tokens [B, T] at positions [B, T] (default 0..T-1) -> (logits fp32 [B, T, V], hidden, cache).
 
         `hidden` is the final-normed hidden state (the MTP module's input). With a paged cache and its
-        `meta`, the new tokens' latents (absorbed) or K/V (naive) are written at positions[:, 0] onwards.
+        `meta`, the new tokens' latents (absorbed) or K/V (naive) are written at positions[:, 0] onwards
+        (a ragged token batch is [N, 1]: one token per row, each with its own position and page row).
+        `select` (int32, any shape) picks flat token indices of [B*T]: the LM head then runs on those
+        tokens only and logits are [*select.shape, V] (the engine needs a few positions per sequence).
         """
         b, t = tokens.shape
         if positions is None:
@@ -123,16 +132,17 @@ class Transformer(nn.Module):
             x, layer_cache = getattr(self, name)(x, None if cache is None else cache[name], positions, meta)
             new_cache[name] = layer_cache
         hidden = self.norm(x)
-        logits = self.lm_head(hidden).astype(jnp.float32)
+        logits = self.lm_head(_at(hidden, select)).astype(jnp.float32)
         if cache is not None and "mtp" in cache:
             new_cache["mtp"] = cache["mtp"]
         return logits, hidden, (new_cache if cache is not None else None)
 
     def mtp_logits(self, hidden: jax.Array, next_tokens: jax.Array, positions: jax.Array,
-                   cache: dict | None = None, meta: PageMeta | None = None):
-        """The MTP draft: logits for token i+2 from hidden_i and token i+1, plus its hidden and cache."""
+                   cache: dict | None = None, meta: PageMeta | None = None, select: jax.Array | None = None):
+        """The MTP draft: logits for token i+2 from hidden_i and token i+1, plus its hidden and cache
+        (`select` as in `__call__`)."""
         mtp_cache = None if cache is None else cache["mtp"]
-        logits, h, mtp_cache = self.mtp(hidden, next_tokens, positions, mtp_cache, meta)
+        logits, h, mtp_cache = self.mtp(hidden, next_tokens, positions, mtp_cache, meta, select)
         if cache is not None:
             cache = {**cache, "mtp": mtp_cache}
         return logits, h, cache

@@ -56,7 +56,8 @@ def routed_experts(x: jax.Array, weights: jax.Array, idx: jax.Array, experts: di
     """sum_k w_k * expert_k(x) for x [N, D] via sort-by-expert + grouped matmuls.
 
     `experts` holds {gate_proj, up_proj, down_proj}: {"weight": [E, out, in], optionally "scale"}.
-    `idx` may hold ids outside [0, num_experts) (experts another device owns): those rows are skipped.
+    `idx` may hold ids outside [0, num_experts) (experts another device owns, or -1 for padding tokens):
+    those rows are skipped.
     """
     n, k = idx.shape
     flat = idx.reshape(-1)
@@ -144,13 +145,13 @@ def _ep_all_to_all(x, w, idx, experts, e_loc: int, ep: int, cap: int) -> jax.Arr
     n, k = idx.shape
     d = x.shape[-1]
     flat = idx.reshape(-1)
-    dest = flat // e_loc
+    dest = jnp.where(flat >= 0, flat // e_loc, ep)  # padding tokens (-1) sort last and are never sent
     order = jnp.argsort(dest, stable=True)
-    counts = jnp.bincount(dest, length=ep)
+    counts = jnp.bincount(dest, length=ep + 1)
     starts = jnp.cumsum(counts) - counts
     sdest = dest[order]
     rank = jnp.arange(n * k) - starts[sdest]
-    valid = rank < cap
+    valid = (rank < cap) & (sdest < ep)
     slot = jnp.where(valid, sdest * cap + rank, ep * cap)  # ep*cap: out of bounds, dropped by .set
     send_x = jnp.zeros((ep * cap, d), x.dtype).at[slot].set(x[order // k], mode="drop")
     send_e = jnp.full((ep * cap,), -1, jnp.int32).at[slot].set(flat[order] - sdest * e_loc, mode="drop")
@@ -191,7 +192,8 @@ def expert_parallel(x: jax.Array, weights: jax.Array, idx: jax.Array, experts: d
             y = _ep_all_to_all(x, w, idx, experts, e_loc, ep, cap)
         else:
             # Overflow anywhere -> every device falls back together (the predicate is global).
-            load = jnp.bincount(idx.reshape(-1) // e_loc, length=ep).max()
+            flat = idx.reshape(-1)
+            load = jnp.bincount(jnp.where(flat >= 0, flat // e_loc, ep), length=ep + 1)[:ep].max()
             overflow = jax.lax.pmax(load, batch_axes) > cap  # tokens are tensor-invariant
             y = jax.lax.cond(overflow,
                              lambda *a: _ep_all_gather(*a, e_loc),
@@ -210,7 +212,9 @@ class MoE(nn.Module):
     fp8: bool = False
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, valid: jax.Array | None = None) -> jax.Array:
+        """x [..., D]; `valid` [...] bool marks real tokens: padding tokens are routed nowhere (left
+        out of the token sort and every expert's load) and get only the shared expert's output."""
         c = self.cfg
         e, d, i = c.n_routed_experts, c.hidden_size, c.moe_intermediate_size
         init = nn.initializers.normal(0.02)
@@ -232,6 +236,10 @@ class MoE(nn.Module):
         logits = jnp.einsum("nd,ed->ne", xf.astype(jnp.float32), gate_w.astype(jnp.float32))
         w, idx = route(logits, bias, c)
         self.sow("intermediates", "router_choice", idx.reshape(*shape[:-1], -1))
+        if valid is not None:
+            idx = jnp.where(valid.reshape(-1, 1), idx, -1)
+        self.sow("intermediates", "expert_load", jnp.bincount(jnp.where(idx >= 0, idx, e).reshape(-1),
+                                                              length=e + 1)[:e])
         mesh = jax.sharding.get_abstract_mesh()
         if mesh.empty or math.prod(sharding.axis_sizes(mesh).values()) == 1:
             out = routed_experts(xf, w, idx, experts, e)  # the single-device path

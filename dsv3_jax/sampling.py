@@ -1,8 +1,10 @@
 """Next-token sampling on device: temperature, top-k, top-p and greedy, batched and usable inside jit.
 
 Owns: `SamplingParams` (per-request arrays, so one batch mixes settings), their validation, the filtered
-distribution (`probs_after_filtering`, reused by speculative decoding), `sample`, and reading defaults
-from a checkpoint's `generation_config.json`. Does not own the decode loop or stop conditions.
+distribution (`probs_after_filtering`), `sample`, the engine's per-row keys (`row_keys`), speculative
+verification (`speculative_sample`: accept drafts left to right, rejection-resample the first refused
+one), per-token log-probabilities (`token_logprobs`), and reading defaults from a checkpoint's
+`generation_config.json`. Does not own the decode loop or stop conditions.
 
 Order of operations, as in transformers and DeepSeek's reference: logits / temperature, keep the top_k
 most likely tokens (0 = no limit), then keep the smallest set of those whose probability reaches top_p
@@ -183,6 +185,77 @@ def sample(logits: jax.Array, params: SamplingParams, key: jax.Array) -> jax.Arr
     keys = _row_keys(key, logits.shape[0])
     drawn = jax.vmap(lambda k, row: jax.random.categorical(k, row))(keys, filtered).astype(jnp.int32)
     return jnp.where(params.temperature <= 0, greedy, drawn)
+
+
+def row_keys(seeds: jax.Array, counters: jax.Array, salt: int) -> jax.Array:
+    """One key per row from (request seed, index of the token being drawn, purpose salt): a request's
+    draws depend only on its own seed and progress, never on which rows share its batch."""
+    def one(s, c):
+        return jax.random.fold_in(jax.random.fold_in(jax.random.key(s), c), salt)
+    return jax.vmap(one)(seeds, counters)
+
+
+def _categorical(keys: jax.Array, probs: jax.Array) -> jax.Array:
+    return jax.vmap(lambda k, p: jax.random.categorical(k, jnp.log(p)))(keys, probs).astype(jnp.int32)
+
+
+def speculative_sample(logits: jax.Array, drafts: jax.Array, ndraft: jax.Array, params: SamplingParams,
+                       seeds: jax.Array, counters: jax.Array, qprobs: jax.Array | None = None, *,
+                       sampled: bool = True) -> tuple[jax.Array, jax.Array]:
+    """Verify drafts and sample: logits [B, k+1, V] score the last committed token and each of the k
+    drafts [B, k] (row b has ndraft[b] <= k real drafts). Returns (tokens [B, k+1], n_new [B]): the
+    first n_new tokens are emitted (accepted drafts, then a replacement or bonus token).
+
+    Greedy rows accept a draft while it equals the argmax (exactly plain greedy). Sampled rows accept
+    d_j with probability min(1, p(d_j) / q(d_j)) (q = qprobs [B, k, V], the draft distribution) and
+    else draw from norm(max(p - q, 0)): the output keeps the target distribution. Without qprobs,
+    sampled drafts are compared like greedy ones. `sampled=False` (static: every row greedy) skips
+    the filtering sorts.
+    """
+    b, j1, _ = logits.shape
+    k = j1 - 1
+    greedy = params.temperature <= 0
+    if sampled:
+        p = jax.vmap(lambda lg: probs_after_filtering(lg, params), in_axes=1, out_axes=1)(logits)
+    out_tok, n_new, alive = [], jnp.zeros((b,), jnp.int32), jnp.ones((b,), bool)
+    for j in range(k + 1):
+        is_draft = j < ndraft
+        draft = drafts[:, j] if j < k else jnp.zeros((b,), jnp.int32)
+        if sampled:
+            key = row_keys(seeds, counters + j, 1)
+            pj = p[:, j]
+            tok_plain = jnp.where(greedy, jnp.argmax(pj, -1), _categorical(key, pj)).astype(jnp.int32)
+        else:
+            tok_plain = jnp.argmax(logits[:, j], -1).astype(jnp.int32)
+        accept, replacement = draft == tok_plain, tok_plain
+        if sampled and qprobs is not None and j < k:
+            q = qprobs[:, j]
+            pd = jnp.take_along_axis(pj, draft[:, None], 1)[:, 0]
+            qd = jnp.take_along_axis(q, draft[:, None], 1)[:, 0]
+            u = jax.vmap(lambda kk: jax.random.uniform(jax.random.fold_in(kk, 7)))(key)
+            resid = jnp.maximum(pj - q, 0.0)
+            resid = jnp.where(resid.sum(-1, keepdims=True) > 0, resid, pj)
+            rs = _categorical(jax.vmap(lambda kk: jax.random.fold_in(kk, 9))(key), resid)
+            accept = jnp.where(greedy, accept, u * qd <= pd)
+            replacement = jnp.where(greedy, tok_plain, rs)
+        accept = accept & is_draft
+        emit = jnp.where(accept, draft, jnp.where(is_draft, replacement, tok_plain))
+        out_tok.append(jnp.where(alive, emit, 0))
+        n_new = n_new + alive.astype(jnp.int32)
+        alive = alive & accept
+    return jnp.stack(out_tok, 1), n_new
+
+
+MAX_LOGPROBS = 20  # top alternatives a request may ask for (OpenAI's limit)
+
+
+def token_logprobs(logits: jax.Array, chosen: jax.Array, top: int = MAX_LOGPROBS
+                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """log_softmax of the raw logits [..., V] (before temperature and filtering, like vLLM's default):
+    (logprob of `chosen` [...], top ids [..., top] int32, their logprobs [..., top])."""
+    lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    top_lp, top_ids = jax.lax.top_k(lp, top)
+    return jnp.take_along_axis(lp, chosen[..., None], -1)[..., 0], top_ids.astype(jnp.int32), top_lp
 
 
 def load_generation_defaults(directory: str | os.PathLike) -> dict:

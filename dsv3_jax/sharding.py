@@ -314,6 +314,17 @@ def cache_shardings(cfg: ModelConfig, mesh: Mesh, cache_or_shapes: Any) -> Any:
     return jax.tree.map(lambda s: NamedSharding(mesh, s), cache_specs(cache_or_shapes))
 
 
+def place_cache(handle: Any, cache: dict) -> dict:
+    """Put a page pool on a handle's mesh: pages split over the batch axes where they divide,
+    replicated otherwise (correct either way; the split only saves memory). No mesh: unchanged."""
+    if handle.mesh is None:
+        return cache
+    try:
+        return jax.device_put(cache, cache_shardings(handle.config, handle.mesh, cache))
+    except (ValueError, MeshError):
+        return jax.device_put(cache, NamedSharding(handle.mesh, P()))
+
+
 def activation_sharding(mesh: Mesh, name: str) -> NamedSharding:
     return NamedSharding(mesh, logical_to_spec(ACTIVATION_AXES[name]))
 

@@ -1,10 +1,13 @@
 """Shared pytest setup: CPU by default, GPU tests skipped (with the reason) when no GPU is present."""
 
 import os
+import tempfile
 
 # Eight virtual CPU devices so mesh tests can run anywhere; must be set before jax is imported.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_ENABLE_X64", "0")
+# The engine's persistent compilation cache: a throwaway directory, never the user's ~/.cache.
+os.environ.setdefault("DSV3_JAX_CACHE_DIR", tempfile.mkdtemp(prefix="dsv3_jax_xla_"))
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

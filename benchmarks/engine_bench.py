@@ -1,0 +1,290 @@
+"""The serving engine against its own bare step, on one GPU, same weights, same run.
+
+Model: the full-width DeepSeek-V3 slice with FP8 weights of `benchmarks/e2e_bench.py` (its builders,
+imported). Measures, in one run:
+  * the bare jitted decode step (e2e_bench's `decode_case`: [B, 1] tokens over a paged cache at context
+    1K, argmax) at batch 1, 64, 256, beside the HBM floor (bytes it must read / the copy bandwidth);
+  * the engine on the same loads: 1 request (1K prompt, 128 new tokens); B requests x (1K prompt, 128
+    new) for B in (64, 256), all at once and with Poisson arrivals. Per load: output tok/s (whole run,
+    and over the decode-only steps), ITL p50/p99, median TTFT, mean rows and tokens per step, and the
+    ratio of decode-only throughput to batch / bare step time;
+  * optionally (--xla-variants) the bare batch-1 step under other XLA command-buffer flags, each in a
+    subprocess (the flags are read when the backend starts).
+Compile time is reported apart (engine warmup + any compile during a load). Greedy decoding, EOS off.
+Prints a table last and writes JSON (--out). --tiny runs the same code on CPU with a tiny config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import e2e_bench  # noqa: E402
+
+from dsv3_jax import cache as kv_cache  # noqa: E402
+from dsv3_jax import kernels  # noqa: E402
+from dsv3_jax.api import ModelHandle  # noqa: E402
+from dsv3_jax.cache import PageMeta  # noqa: E402
+from dsv3_jax.engine import Engine, EngineConfig  # noqa: E402
+
+# Before this work (issue 13, same slice and device, 2026-12-03): quoted, not re-measured here.
+BEFORE = {"bare_b1_ms": 4.20, "bare_b1_floor_ms": 1.14, "engine_1req_itl_ms": 7.01, "engine_1req_tok_s": 121,
+          "engine_1req_maxbatch32_itl_ms": 10.6, "engine_1req_maxbatch32_ttft_ms": 496, "bare_b64_ms": 13.7,
+          "bare_b64_floor_ms": 10.2, "engine_64req_itl_ms": 240, "engine_64req_tok_s": 63,
+          "engine_64req_mean_batch": 14, "engine_64req_ttft_s": 16}
+
+
+def pct(xs, q):
+    return float(np.percentile(xs, q)) if len(xs) else None
+
+
+def run_load(eng: Engine, prompts: list[list[int]], new: int, rate: float | None, seed: int) -> dict:
+    """Feed `prompts` (all at once, or Poisson arrivals at `rate`/s), step to completion, measure."""
+    rng = np.random.default_rng(seed)
+    arrivals = np.zeros(len(prompts)) if rate is None else np.cumsum(rng.exponential(1 / rate, len(prompts)))
+    compiles0, compile_s0 = eng.stats["compiles"], eng.stats["compile_s"]
+    steps0 = eng.stats["steps"]
+    t0 = eng.clock()
+    nxt, rids, step_ends = 0, [], []
+    while nxt < len(prompts) or eng.has_work():
+        now = eng.clock() - t0
+        while nxt < len(prompts) and arrivals[nxt] <= now:
+            rids.append(eng.add_request(prompts[nxt], max_new_tokens=new))
+            nxt += 1
+        if not eng.has_work():
+            time.sleep(max(0.0, arrivals[nxt] - now))
+            continue
+        before = eng.stats["steps"]
+        eng.step()
+        if eng.stats["steps"] > before:  # a step was dispatched (not only a drain)
+            step_ends.append(eng.clock())
+    wall = eng.clock() - t0
+    reqs = [eng.finished[r] for r in rids]
+    assert all(len(r.output) == new for r in reqs), "every request must produce its tokens (EOS is off)"
+    itl = np.concatenate([np.diff(r.token_times) for r in reqs])
+    ttft = [r.first_token_at - r.arrival for r in reqs]
+    s = eng.stats
+    n_steps = s["steps"] - steps0
+    rows, toks, padded = (np.array(list(s[k])[-n_steps:]) for k in ("batch_sizes", "tokens", "padded_tokens"))
+    # Decode-only steps: as many tokens as rows. Their durations (between consecutive step returns,
+    # pipelined) give the steady-state step time of the engine.
+    dur = np.diff(np.array(step_ends))
+    dec = (toks[1:] == rows[1:]) & (rows[1:] == len(prompts)) if rate is None else (toks[1:] == rows[1:])
+    dec_tok_s = float(np.sum(rows[1:][dec]) / np.sum(dur[dec])) if dec.any() else None
+    return {"requests": len(prompts), "new_tokens": new, "rate_per_s": rate, "wall_s": wall,
+            "output_tok_s": len(reqs) * new / wall, "decode_only_steps": int(dec.sum()),
+            "decode_only_tok_s": dec_tok_s,
+            "decode_only_step_ms": float(np.median(dur[dec]) * 1e3) if dec.any() else None,
+            "itl_p50_ms": pct(itl, 50) * 1e3, "itl_p99_ms": pct(itl, 99) * 1e3,
+            "ttft_median_s": float(np.median(ttft)), "ttft_p99_s": pct(ttft, 99),
+            "steps": len(rows), "mean_rows": float(rows.mean()), "mean_tokens": float(toks.mean()),
+            "mean_padded_tokens": float(padded.mean()),
+            "compiles_during": s["compiles"] - compiles0, "compile_s_during": s["compile_s"] - compile_s0}
+
+
+# Command buffers (CUDA graphs) for the bare batch-1 step, set per compile (XLA DebugOptions).
+CB_ALL = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE,DYNAMIC_SLICE_FUSION"
+XLA_VARIANTS = {
+    "default": {},
+    "command buffers off": {"xla_gpu_enable_command_buffer": ""},
+    "command buffers all types, min graph 1": {"xla_gpu_enable_command_buffer": CB_ALL,
+                                               "xla_gpu_graph_min_graph_size": 1},
+    "all types + unrolled loops": {"xla_gpu_enable_command_buffer": CB_ALL, "xla_gpu_graph_min_graph_size": 1,
+                                   "xla_gpu_command_buffer_unroll_loops": True},
+}
+
+
+def bare_step(model, params, cfg, batch: int, ctx: int, reps: int, backend: str, options: dict) -> dict:
+    """e2e_bench.decode_case's step ([B, 1] tokens at position ctx over a paged cache, argmax),
+    compiled with XLA `options`."""
+    ps = kv_cache.PAGE_SIZE
+    table = kv_cache.contiguous_table(batch, ctx + 1, ps)
+    cache = kv_cache.allocate(cfg, 1 + table.size, ps, "absorbed", jnp.bfloat16)
+    cache = jax.tree_util.tree_map(lambda c: jax.random.normal(jax.random.key(1), c.shape, c.dtype) * 0.5, cache)
+    meta = PageMeta(jnp.asarray(table), jnp.ones((batch,), jnp.int32))
+    toks = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, 1)), jnp.int32)
+    pos = jnp.full((batch, 1), ctx, jnp.int32)
+    with kernels.force(backend):
+        f = jax.jit(lambda p, c: model.apply({"params": p}, toks, pos, c, meta)[0][:, -1].argmax(-1))
+        lowered = f.lower(params, cache)
+    t0 = time.perf_counter()
+    comp = lowered.compile(compiler_options=options) if options else lowered.compile()
+    compile_s = time.perf_counter() - t0
+    return {**e2e_bench.timeit(lambda: comp(params, cache), reps), "compile_s": compile_s}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--moe-layers", type=int, default=4)
+    ap.add_argument("--tiny", action="store_true", help="CPU smoke test with a tiny config")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--prompt", type=int, default=1024)
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--batches", default="64,256")
+    ap.add_argument("--max-batched-tokens", type=int, default=4096)
+    ap.add_argument("--chunk", type=int, default=1024)
+    ap.add_argument("--budget-s", type=float, default=330.0, help="skip remaining loads after this")
+    ap.add_argument("--no-xla-variants", action="store_true", help="skip the command-buffer variants")
+    ap.add_argument("--out", type=Path, default=Path("engine_bench.json"))
+    args = ap.parse_args()
+    t_start = time.perf_counter()
+    backend = "reference" if args.tiny else "pallas"
+    cfg = e2e_bench.slice_config(args.moe_layers, args.tiny)
+    model, params = e2e_bench.random_fp8_params(cfg)
+    batches = [int(b) for b in args.batches.split(",") if b]
+    res: dict = {"device": str(jax.devices()[0].device_kind), "date": time.strftime("%Y-%m-%d"),
+                 "command": " ".join(sys.argv), "before": BEFORE,
+                 "config": {"layers": cfg.num_hidden_layers, "moe_layers": cfg.n_moe_layers},
+                 "weights_s": time.perf_counter() - t_start}
+
+    def save():
+        args.out.write_text(json.dumps(res, indent=1))
+
+    def left() -> float:
+        return args.budget_s - (time.perf_counter() - t_start)
+
+    res["copy_bw_gbs"] = e2e_bench.copy_bandwidth() / 1e9
+    res["bare"], res["loads"], res["xla_variants"] = [], [], []
+    bare: dict[int, float] = {}
+
+    def bare_case(b: int) -> None:
+        r = e2e_bench.decode_case(model, params, cfg, b, args.prompt, args.reps, backend)
+        floor = 1e3 * e2e_bench.step_bytes(cfg, params, b, args.prompt) / (res["copy_bw_gbs"] * 1e9)
+        res["bare"].append({"batch": b, **r, "floor_ms": floor, "ratio_to_floor": r["median_ms"] / floor})
+        bare[b] = r["median_ms"]
+
+    handle = ModelHandle(cfg, params)
+    rng = np.random.default_rng(0)
+    vocab = cfg.vocab_size
+    max_req = max(batches)
+    pages = max_req * -(-(args.prompt + args.new) // kv_cache.PAGE_SIZE) + 1
+    # Coarse buckets keep the number of compiled programs (and this run's compile time) small.
+    ecfg = EngineConfig(num_pages=pages, max_batch=max_req, max_batched_tokens=args.max_batched_tokens,
+                        chunk_size=args.chunk, prefix_caching=False,
+                        token_buckets=(1, 64, 256, 1024, args.max_batched_tokens), row_buckets=(1, 64, max_req))
+    res["engine_config"] = {k: (list(v) if isinstance(v, tuple) else v) for k, v in ecfg.__dict__.items()}
+    eng = Engine(handle, ecfg)
+
+    def load(b: int, rate: float | None, engine: Engine = eng, tag: str | None = None) -> None:
+        prompts = [rng.integers(2, vocab, args.prompt).tolist() for _ in range(b)]
+        try:
+            row = run_load(engine, prompts, args.new, rate, seed=b)
+            if bare.get(b) and row["decode_only_tok_s"] and rate is None:
+                row["bare_tok_s"] = b / (bare[b] / 1e3)
+                row["decode_vs_bare"] = row["decode_only_tok_s"] / row["bare_tok_s"]
+            if b == 1 and 1 in bare:
+                row["itl_vs_bare"] = row["itl_p50_ms"] / bare[1]
+        except Exception as e:  # noqa: BLE001 - record and keep measuring
+            row = {"requests": b, "rate_per_s": rate, "error": repr(e)[:400]}
+        if tag:
+            row["compiler_options"] = tag
+        res["loads"].append(row)
+
+    def variants() -> None:
+        """Command buffers for batch 1: the bare step under each variant, then the 1-request load
+        through an engine compiled with the best one."""
+        for name, opts in XLA_VARIANTS.items():
+            if left() < 30:
+                res["xla_variants"].append({"variant": name, "skipped": True})
+                continue
+            try:
+                res["xla_variants"].append({"variant": name, "options": opts, **bare_step(
+                    model, params, cfg, 1, args.prompt, args.reps, backend, opts)})
+            except Exception as e:  # noqa: BLE001
+                res["xla_variants"].append({"variant": name, "options": opts, "error": repr(e)[:300]})
+            save()
+        ok = [v for v in res["xla_variants"] if "median_ms" in v]
+        best = min(ok, key=lambda v: v["median_ms"]) if ok else None
+        if best and best["options"] and left() > 45:
+            cb = Engine(handle, dataclasses.replace(ecfg, compiler_options=best["options"]))
+            load(1, None, cb, best["variant"])
+
+    def mtp() -> None:
+        """spec_k=1 vs 0 at batch 1 on the embedded trained default model (greedy, a stdlib prompt)."""
+        from dsv3_jax import api
+        from dsv3_jax.config import ModelConfig
+
+        # The weights as dsv3_jax.load() reads them, without its tokenizer (not on the GPU machine): the
+        # prompt was tokenized ahead (benchmarks/data/mtp_prompt_ids.json: stdlib source, in-domain).
+        d = api.DEFAULT_MODEL_DIR
+        mcfg = ModelConfig.from_json(d / "config.json")
+        h = ModelHandle(mcfg, jax.tree_util.tree_map(jnp.asarray, api._host_params(d, mcfg)))
+        prompt = json.loads((Path(__file__).parent / "data" / "mtp_prompt_ids.json").read_text())["ids"]
+        out = {"model": "embedded default (dsv3-small, trained)", "prompt_tokens": len(prompt),
+               "new_tokens": args.new}
+        for k in (0, 1):
+            e = Engine(h, EngineConfig(num_pages=64, max_batch=1, spec_k=k, prefix_caching=False))
+            e.generate([prompt], max_new_tokens=8)  # compile
+            r = e.generate([prompt], max_new_tokens=args.new)[0]
+            span = r.token_times[-1] - r.first_token_at
+            out[f"k{k}"] = {"decode_tok_s": (len(r.output) - 1) / span, "steps": r.steps,
+                            "tokens_per_step": len(r.output) / r.steps,
+                            "acceptance": r.metrics()["spec_acceptance"], "output": r.output}
+        out["same_tokens"] = out["k0"].pop("output") == out["k1"].pop("output")
+        out["speedup"] = out["k1"]["decode_tok_s"] / out["k0"]["decode_tok_s"]
+        res["mtp"] = out
+
+    # In priority order; each runs only if the time budget still allows it (the rest is listed skipped).
+    tasks = [("bare b=1", 20, lambda: bare_case(1)), ("bare b=64", 30, lambda: bare_case(64)),
+             ("1 request", 30, lambda: load(1, None)), ("64 at once", 40, lambda: load(64, None)),
+             ("command-buffer variants", 60, variants), ("MTP spec_k=1 at batch 1", 40, mtp),
+             (f"bare b={max_req}", 30, lambda: bare_case(max_req)),
+             (f"{max_req} at once", 60, lambda: load(max_req, None)),
+             ("64 poisson", 40, lambda: load(64, 16.0)),
+             (f"{max_req} poisson", 60, lambda: load(max_req, max_req / 4.0))]
+    done: set[str] = set()
+    for name, need, fn in tasks:
+        if name in done:
+            continue
+        done.add(name)
+        if name.startswith("64") and 64 not in batches or left() < need:
+            res.setdefault("skipped", []).append(name)
+            continue
+        fn()
+        save()
+    res["engine_stats"] = eng.engine_stats()
+    res["total_s"] = time.perf_counter() - t_start
+    save()
+    st = res["engine_stats"]
+    print(f"\ndevice {res['device']}  copy {res['copy_bw_gbs']:.0f} GB/s  weights built in {res['weights_s']:.0f} s  "
+          f"engine compiles {st['compiles']} programs in {st['compile_s']:.0f} s (excluded from the figures)")
+    print(f"{'bare batch':>10} {'step ms':>8} {'min':>6} {'max':>6} {'floor':>6} {'ratio':>6}")
+    for r in res["bare"]:
+        print(f"{r['batch']:>10} {r['median_ms']:>8.2f} {r['min_ms']:>6.2f} {r['max_ms']:>6.2f} {r['floor_ms']:>6.2f} "
+              f"{r['ratio_to_floor']:>6.2f}")
+    print(f"{'load':>14} {'tok/s':>7} {'dec tok/s':>9} {'vs bare':>7} {'ITL p50':>7} {'p99':>7} {'TTFT med':>8} "
+          f"{'rows':>5} {'tokens':>6} {'compiles':>8}")
+    for r in res["loads"]:
+        name = f"{r['requests']}" + (f" @{r['rate_per_s']:.0f}/s" if r.get("rate_per_s") else " at once")
+        name += " (cb)" if r.get("compiler_options") else ""
+        if "error" in r:
+            print(f"{name:>14} error {r['error'][:90]}")
+            continue
+        vs = r.get("decode_vs_bare") or r.get("itl_vs_bare")
+        dts = r["decode_only_tok_s"] or float("nan")
+        print(f"{name:>14} {r['output_tok_s']:>7.0f} {dts:>9.0f} {vs or float('nan'):>7.2f} "
+              f"{r['itl_p50_ms']:>7.2f} {r['itl_p99_ms']:>7.2f} {r['ttft_median_s']:>8.3f} {r['mean_rows']:>5.1f} "
+              f"{r['mean_tokens']:>6.0f} {r['compiles_during']:>8}")
+    for v in res.get("xla_variants", []):
+        print(f"bare b=1, {v['variant']}: {v.get('median_ms', v.get('error', 'skipped'))}")
+    if "mtp" in res:
+        m = res["mtp"]
+        print(f"MTP b=1 ({m['model']}): {m['k1']['decode_tok_s']:.0f} vs {m['k0']['decode_tok_s']:.0f} tok/s "
+              f"(x{m['speedup']:.2f}), acceptance {m['k1']['acceptance']}, tokens/step {m['k1']['tokens_per_step']:.2f}, "
+              f"same tokens {m['same_tokens']}")
+    print("skipped:", res.get("skipped", []))
+
+
+if __name__ == "__main__":
+    main()

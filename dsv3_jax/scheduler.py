@@ -1,0 +1,198 @@
+"""Request state and the per-step schedule: which sequences compute how many tokens this step.
+
+Owns: `Request` (a sequence's host state), the queues (waiting, running), admission against free
+pages (with prefix-cache lookup), per-request page allocation (through paging.PagePool), preemption
+when pages run out (the newest running request is requeued and recomputed, never lost), and the
+schedule itself: under a token budget (`max_batched_tokens`) and a row budget (`max_batch`), decode
+rows first (1 token, or 1 + k drafts), then prefill chunks of running requests, then admission of
+waiting ones; long prompts are split into `chunk_size` chunks so one 100K prompt cannot stall the
+batch. The result is a list of `step.RowPlan`s, plain host data: laying it out (step.py), executing it
+and committing results (engine.py) are separate. Must not touch device arrays.
+
+Pipelining: a request whose previous row is still running on the device has one *pending* token
+(sampled there, not yet read). The schedule treats it as known-but-remote: the row reads it on device.
+Preemption never happens while a step is in flight (`can_preempt=False`): a row that cannot get pages
+is left out and the engine drains the in-flight step before the next schedule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections import deque
+from typing import Any
+
+import numpy as np
+
+from dsv3_jax import cache as kv_cache
+from dsv3_jax.paging import OutOfPages, PagePool
+from dsv3_jax.step import RowPlan
+
+
+@dataclasses.dataclass
+class Request:
+    rid: int
+    prompt: list[int]
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    eos: frozenset[int]
+    logprobs: int | None = None  # None: off; n: the chosen token's logprob and the top n alternatives
+    output: list[int] = dataclasses.field(default_factory=list)
+    output_logprobs: list[Any] = dataclasses.field(default_factory=list)
+    pages: list[int] = dataclasses.field(default_factory=list)
+    slot: int = -1  # row of the device-resident per-request state while running
+    computed: int = 0  # tokens whose latents are in the cache or being written by a dispatched step
+    pending: int = 0  # tokens sampled by a dispatched step and not yet committed (0 or 1)
+    drafts: list[int] = dataclasses.field(default_factory=list)
+    registered_pages: int = 0  # full pages already published to the prefix cache
+    finish_reason: str | None = None
+    error: str | None = None
+    arrival: float = 0.0
+    first_token_at: float | None = None
+    token_times: list[float] = dataclasses.field(default_factory=list)
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    preemptions: int = 0
+    spec_proposed: int = 0
+    spec_accepted: int = 0
+    steps: int = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def known(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    def metrics(self) -> dict[str, float | None]:
+        """Per-request timings (engine clock: compile time excluded); None where undefined."""
+        ttft = (self.first_token_at - self.arrival) if self.first_token_at is not None else None
+        gaps = np.diff(self.token_times)
+        itl = float(np.median(gaps)) if len(gaps) else None
+        total = (self.token_times[-1] - self.arrival) if self.token_times else None
+        return {"ttft_s": ttft, "inter_token_s": itl,
+                "tokens_per_s": len(self.output) / total if total else 0.0,
+                "cached_prompt_tokens": self.cached_tokens, "preemptions": self.preemptions,
+                "spec_acceptance": self.spec_accepted / self.spec_proposed if self.spec_proposed else None,
+                "tokens_per_step": len(self.output) / self.steps if self.steps else None}
+
+
+class Scheduler:
+    def __init__(self, pool: PagePool, *, max_batch: int, max_batched_tokens: int, chunk_size: int,
+                 spec_k: int, num_slots: int):
+        self.pool = pool
+        self.max_batch, self.budget, self.chunk = max_batch, max_batched_tokens, chunk_size
+        self.spec_k = spec_k
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.free_slots = list(range(num_slots - 1, -1, -1))
+        self.preemptions = 0
+        self.ids = itertools.count()
+
+    # ------------------------------------------------------------------ pages and slots
+    def ensure_pages(self, r: Request, upto: int) -> bool:
+        need = kv_cache.pages_for(upto, self.pool.page_size) - len(r.pages)
+        if need <= 0:
+            return True
+        try:
+            r.pages += self.pool.allocate(need)
+            return True
+        except OutOfPages:
+            return False
+
+    def release(self, r: Request) -> None:
+        self.pool.release(r.pages)
+        r.pages = []
+        if r.slot >= 0:
+            self.free_slots.append(r.slot)
+            r.slot = -1
+
+    def remove(self, r: Request) -> None:
+        if r in self.running:
+            self.running.remove(r)
+        elif r in self.waiting:
+            self.waiting.remove(r)
+        self.release(r)
+
+    def preempt(self, victim: Request) -> None:
+        """Requeue `victim` at the front, dropping its cache (recomputed on readmission)."""
+        self.running.remove(victim)
+        self.release(victim)
+        victim.computed, victim.drafts, victim.registered_pages = 0, [], 0
+        victim.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(victim)
+
+    # ------------------------------------------------------------------ the schedule
+    def _row(self, r: Request, n: int) -> RowPlan:
+        end = r.known + r.pending  # the sequence's length including the pending token
+        start = r.computed
+        final = start + n >= end
+        chunk = (r.tokens + r.drafts)[start:start + n] if not r.pending else r.tokens[start:start + n]
+        pending_last = bool(r.pending) and start + n == end
+        ndraft = len(r.drafts) if final and r.drafts else 0
+        hint = r.tokens[start + n] if not final and start + n < r.known else 0
+        return RowPlan(r.rid, r.slot, start, chunk, n, pending_last, final, ndraft, hint, list(r.pages),
+                       r.temperature, r.top_p, r.top_k, r.seed, len(r.output) + r.pending)
+
+    def schedule(self, can_preempt: bool = True) -> tuple[list[tuple[Request, RowPlan]], bool]:
+        """Rows for one step and whether some row was left out for want of pages (then the engine
+        should drain the in-flight step before the next schedule so preemption can run)."""
+        budget, plan, starved = self.budget, [], False
+        planned: set[int] = set()
+
+        def remaining(r: Request) -> int:
+            return r.known + r.pending - r.computed
+
+        def wants(r: Request) -> bool:
+            return len(r.output) + r.pending < r.max_new_tokens and remaining(r) > 0
+
+        decode = [r for r in self.running if wants(r) and remaining(r) == 1]
+        prefill = [r for r in self.running if wants(r) and remaining(r) > 1]
+        for r in decode + prefill:
+            if budget <= 0 or len(plan) >= self.max_batch:
+                break
+            if r not in self.running:  # preempted by an earlier row of this plan
+                continue
+            n = 1 + len(r.drafts) if remaining(r) == 1 else min(remaining(r), self.chunk, budget)
+            while not self.ensure_pages(r, r.computed + n):
+                if not can_preempt:
+                    starved = True
+                    break
+                victims = [v for v in self.running if v is not r and v.rid not in planned]
+                if not victims:
+                    victims = [v for v in self.running if v is not r]
+                    if not victims:
+                        raise OutOfPages("a single request does not fit the page pool")
+                    plan = [(p, row) for p, row in plan if p is not victims[-1]]
+                    planned.discard(victims[-1].rid)
+                self.preempt(victims[-1])
+            else:
+                plan.append((r, self._row(r, n)))
+                planned.add(r.rid)
+                budget -= n
+        while (self.waiting and budget > 0 and len(plan) < self.max_batch and not starved
+               and len(self.running) < self.max_batch):
+            r = self.waiting[0]
+            if not r.pages:
+                hit = self.pool.match_prefix(r.tokens, (r.known - 1) // self.pool.page_size)
+                r.pages, r.computed = hit, len(hit) * self.pool.page_size
+                r.registered_pages = len(hit)
+                if not r.preemptions:
+                    r.cached_tokens = r.computed
+            n = min(remaining(r), self.chunk, budget)
+            if not self.ensure_pages(r, r.computed + n):
+                break  # admission control: wait for pages to free up
+            self.waiting.popleft()
+            r.slot = self.free_slots.pop()
+            self.running.append(r)
+            plan.append((r, self._row(r, n)))
+            budget -= n
+        return plan, starved

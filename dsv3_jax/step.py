@@ -1,0 +1,263 @@
+"""One engine step as data: the ragged token batch (host side) and the jitted device step that runs it.
+
+Owns: the batch layout, its buckets, packing it into two flat host buffers, and the device function.
+
+Layout (vLLM/SGLang style, token-flattened): a step computes N tokens, N a bucket (a power of two >=
+the scheduled count). Each token has an id, a position, a row (the sequence it belongs to) and through
+its row a page-table row; rows are S sequences (S a bucket too), each holding a contiguous run of the
+flat tokens: a decode row 1 (+ k drafts) tokens, a prefill chunk up to chunk_size. Nothing is padded
+per row, so a 512-token chunk next to 63 decode rows costs 575 tokens, not 64 x 512. Tokens past the
+scheduled count are padding: they write only page 0 (scratch), attend to nothing and are routed to no
+expert. Attention runs with one token per kernel row (B = N, T = 1); for 128 heads that is what the
+MLA kernel's 64-row tiles did for a chunk anyway.
+
+Batch shards (data-parallel attention, later): tokens and rows are grouped by batch shard in equal
+segments, shard s owning flat tokens [s*N/D, (s+1)*N/D) and rows [s*S/D, (s+1)*S/D), each padded to
+the same bucket; one shard today (`num_shards` exists so the layout is tested now).
+
+A token's input id is either known on the host (`tokens`) or is the token the previous, still-running
+step sampled for that sequence: then `src` names the request's slot in the device-resident
+`last_token` buffer, so step k+1 can be dispatched before step k's results are read.
+
+The device step returns only small arrays (sampled ids, counts, a finite flag per row, drafts, and
+logprobs when asked) packed into one int32 (and one float32) buffer; the cache and the per-slot state
+stay on device (donated). Must not own scheduling policy (scheduler.py), request state (engine.py) or
+sampling rules (sampling.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dsv3_jax import mtp_draft
+from dsv3_jax.cache import PageMeta
+from dsv3_jax.sampling import MAX_LOGPROBS, SamplingParams, speculative_sample, token_logprobs
+
+
+def bucket(n: int, buckets: tuple[int, ...]) -> int:
+    """The smallest bucket >= n (buckets ascending); above the largest, the next power of two."""
+    for b in buckets:
+        if b >= n:
+            return b
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def pow2_buckets(lo: int, hi: int, factor: int = 2) -> tuple[int, ...]:
+    out, b = [], lo
+    while b < hi:
+        out.append(b)
+        b *= factor
+    return (*out, hi) if not out or out[-1] != hi else tuple(out)
+
+
+class StepKey(NamedTuple):
+    """Everything static about a step: one compiled program per distinct key."""
+
+    tokens: int  # N, flat tokens
+    rows: int  # S, sequences
+    width: int  # W, page-table columns
+    spec_k: int  # drafts per decode row
+    sampled: bool  # some row samples (else argmax only: no sorting of the vocabulary)
+    logprobs: bool  # some row asked for logprobs
+
+
+def int_fields(key: StepKey) -> list[tuple[str, tuple[int, ...]]]:
+    n, s, w, j = key.tokens, key.rows, key.width, key.spec_k + 1
+    return [("tokens", (n,)), ("src", (n,)), ("positions", (n,)), ("row_of", (n,)), ("valid", (n,)),
+            ("table", (s, w)), ("slot", (s,)), ("logit_idx", (s, j)), ("ndraft", (s,)), ("final", (s,)),
+            ("hint", (s,)), ("row_start", (s,)), ("row_len", (s,)), ("top_k", (s,)), ("seeds", (s,)),
+            ("counters", (s,))]
+
+
+def float_fields(key: StepKey) -> list[tuple[str, tuple[int, ...]]]:
+    return [("temperature", (key.rows,)), ("top_p", (key.rows,))]
+
+
+@dataclasses.dataclass
+class StepBatch:
+    """The host side of one step: `key` plus numpy arrays named by int_fields / float_fields.
+
+    `ints` and `floats` are the packed buffers that go to the device (and, multi-host, that process 0
+    would broadcast); `rows` lists (request id, tokens computed) in row order for the commit.
+    """
+
+    key: StepKey
+    ints: np.ndarray
+    floats: np.ndarray
+    rows: list[tuple[int, int]]
+    row_index: list[int]  # row position of rows[i] in the [S] arrays (shard segments leave gaps)
+    n_scheduled: int  # real tokens (the rest of key.tokens is padding)
+
+    def view(self, name: str) -> np.ndarray:
+        return _unpack(self.ints, int_fields(self.key), np)[name] if name in dict(int_fields(self.key)) \
+            else _unpack(self.floats, float_fields(self.key), np)[name]
+
+
+def _unpack(buf, fields, xp) -> dict[str, Any]:
+    out, off = {}, 0
+    for name, shape in fields:
+        size = int(np.prod(shape))
+        out[name] = buf[off:off + size].reshape(shape)
+        off += size
+    return out
+
+
+@dataclasses.dataclass
+class RowPlan:
+    """One scheduled sequence: its `n` new tokens at positions start .. start+n-1, how to get each."""
+
+    rid: int
+    slot: int  # the request's slot in the device-resident per-request state
+    start: int
+    tokens: list[int]  # host-known token ids of the chunk (the first `n - pending_last` of it)
+    n: int
+    pending_last: bool  # the chunk's last token is the one the running step samples (read on device)
+    final: bool  # the chunk reaches the sequence's end: sample after it
+    ndraft: int
+    hint: int  # the token after the chunk when not final (MTP input), else 0
+    pages: list[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    counter: int  # index (in the output) of the token this row samples
+    shard: int = 0
+
+
+def build(rows: list[RowPlan], *, spec_k: int, token_buckets: tuple[int, ...],
+          row_buckets: tuple[int, ...], min_width: int, logprobs: bool, num_shards: int = 1,
+          scratch_slot: int = 0) -> StepBatch:
+    """Lay out scheduled rows as a flat, bucketed, shard-grouped token batch (see the module docstring)."""
+    per_tok = [sum(r.n for r in rows if r.shard == s) for s in range(num_shards)]
+    per_row = [sum(1 for r in rows if r.shard == s) for s in range(num_shards)]
+    n_seg = bucket(max(max(per_tok), 1), token_buckets)
+    s_seg = bucket(max(max(per_row), 1), row_buckets)
+    width = bucket(max(max((len(r.pages) for r in rows), default=1), min_width),
+                   tuple(min_width << i for i in range(24)))
+    key = StepKey(n_seg * num_shards, s_seg * num_shards, width, spec_k,
+                  any(r.temperature > 0 for r in rows), logprobs)
+    n, s, j = key.tokens, key.rows, spec_k + 1
+    ints = np.zeros(sum(int(np.prod(sh)) for _, sh in int_fields(key)), np.int32)
+    floats = np.zeros(sum(int(np.prod(sh)) for _, sh in float_fields(key)), np.float32)
+    a, f = _unpack(ints, int_fields(key), np), _unpack(floats, float_fields(key), np)
+    a["src"][:] = -1
+    a["slot"][:] = scratch_slot
+    f["top_p"][:] = 1.0
+    next_tok = [sh * n_seg for sh in range(num_shards)]
+    next_row = [sh * s_seg for sh in range(num_shards)]
+    row_index = []
+    for r in rows:
+        i, t0 = next_row[r.shard], next_tok[r.shard]
+        next_row[r.shard] += 1
+        next_tok[r.shard] += r.n
+        row_index.append(i)
+        sl = slice(t0, t0 + r.n)
+        known = len(r.tokens)
+        a["tokens"][t0:t0 + known] = r.tokens
+        if r.pending_last:
+            a["src"][t0 + r.n - 1] = r.slot
+        a["positions"][sl] = np.arange(r.start, r.start + r.n)
+        a["row_of"][sl] = i
+        a["valid"][sl] = 1
+        a["table"][i, :len(r.pages)] = r.pages
+        a["slot"][i] = r.slot
+        # Logits for the last committed token and each draft (decode), or the chunk's last token.
+        base = t0 + r.n - 1 - r.ndraft
+        a["logit_idx"][i] = np.minimum(base + np.arange(j), t0 + r.n - 1)
+        a["ndraft"][i], a["final"][i], a["hint"][i] = r.ndraft, r.final, r.hint
+        a["row_start"][i], a["row_len"][i] = t0, r.n
+        a["top_k"][i], a["seeds"][i], a["counters"][i] = r.top_k, r.seed, r.counter
+        f["temperature"][i], f["top_p"][i] = r.temperature, r.top_p
+    # Padding tokens and rows point at row 0 / token 0 (finite, discarded) and never write a real page.
+    del n, s
+    return StepBatch(key, ints, floats, [(r.rid, r.n) for r in rows], row_index, sum(per_tok))
+
+
+# ---------------------------------------------------------------------------------------- device
+def out_fields(key: StepKey) -> list[tuple[str, tuple[int, ...]]]:
+    s, j = key.rows, key.spec_k + 1
+    f = [("tokens", (s, j)), ("n_new", (s,)), ("finite", (s,))]
+    if key.spec_k:
+        f.append(("drafts", (s, key.spec_k)))
+    if key.logprobs:
+        f.append(("top_ids", (s, j, MAX_LOGPROBS)))
+    return f
+
+
+def out_float_fields(key: StepKey) -> list[tuple[str, tuple[int, ...]]]:
+    s, j = key.rows, key.spec_k + 1
+    return [("logprob", (s, j)), ("top_logprobs", (s, j, MAX_LOGPROBS))] if key.logprobs else []
+
+
+def unpack_outputs(key: StepKey, ints: np.ndarray, floats: np.ndarray | None) -> dict[str, np.ndarray]:
+    out = _unpack(ints, out_fields(key), np)
+    if floats is not None:
+        out.update(_unpack(floats, out_float_fields(key), np))
+    return out
+
+
+def init_state(num_slots: int, spec_k: int, vocab: int) -> dict[str, jax.Array]:
+    """Device-resident per-request state: the last sampled token (and the MTP draft distribution)."""
+    state = {"last_token": jnp.zeros((num_slots,), jnp.int32)}
+    if spec_k:
+        state["draft_probs"] = jnp.zeros((num_slots, spec_k, vocab), jnp.float32)
+    return state
+
+
+def make_step(model: Any, key: StepKey):
+    """The device step for `key`: (params, cache, state, ints, floats) -> (out_ints, out_floats, cache,
+    state). Jit it with the cache and state donated."""
+    k = key.spec_k
+
+    def step(params, cache, state, ints, floats):
+        a = _unpack(ints, int_fields(key), jnp)
+        f = _unpack(floats, float_fields(key), jnp)
+        n = key.tokens
+        last = state["last_token"]
+        toks = jnp.where(a["src"] >= 0, last[jnp.maximum(a["src"], 0)], a["tokens"])
+        valid = a["valid"] > 0
+        tok_table = a["table"][a["row_of"]]  # [N, W]: each token's page-table row
+        meta = PageMeta(tok_table, a["valid"])
+        logits, hidden, cache = model.apply({"params": params}, toks[:, None], a["positions"][:, None],
+                                            cache, meta, a["logit_idx"])  # [S, k+1, V]
+        ndraft, final = a["ndraft"], a["final"] > 0
+        j = jnp.arange(k + 1)[None, :]
+        finite = jnp.all(jnp.isfinite(logits) | (j > ndraft[:, None])[..., None], axis=(1, 2))
+        sp = SamplingParams(f["temperature"], f["top_p"], a["top_k"])
+        drafts_in = toks[jnp.minimum(a["logit_idx"] + 1, n - 1)][:, :k]  # the token after each scored one
+        qprobs = state["draft_probs"][a["slot"]] if k and key.sampled else None
+        tokens, n_new = speculative_sample(logits, drafts_in, ndraft, sp, a["seeds"], a["counters"], qprobs,
+                                           sampled=key.sampled)
+        rows = jnp.arange(key.rows)
+        emitted_last = tokens[rows, n_new - 1]
+        scratch = state["last_token"].shape[0] - 1
+        state = {**state, "last_token": last.at[jnp.where(final, a["slot"], scratch)].set(emitted_last)}
+        outs = [tokens, n_new, finite.astype(jnp.int32)]
+        fl = []
+        if k:
+            commit = a["row_len"] - ndraft + n_new - 1
+            nxt = jnp.where(final, emitted_last, a["hint"])
+            live = final & (a["row_len"] > 0)
+            drafts, dprobs, cache = mtp_draft.propose(
+                model, params, cache, hidden=hidden, tokens=toks, positions=a["positions"],
+                tok_table=tok_table, valid=valid, row_of=a["row_of"], row_start=a["row_start"],
+                commit=commit, next_token=nxt, table=a["table"], live=live, sp=sp, seeds=a["seeds"],
+                counters=a["counters"] + n_new - 1, k=k, sampled=key.sampled)
+            outs.append(drafts)
+            if key.sampled:
+                dst = jnp.where(final, a["slot"], scratch)
+                state["draft_probs"] = state["draft_probs"].at[dst].set(dprobs)
+        if key.logprobs:
+            lp, top_ids, top_lp = token_logprobs(logits, tokens)
+            outs.append(top_ids)
+            fl = [lp, top_lp]
+        out_ints = jnp.concatenate([o.astype(jnp.int32).reshape(-1) for o in outs])
+        out_floats = jnp.concatenate([o.reshape(-1) for o in fl]) if fl else jnp.zeros((0,), jnp.float32)
+        return out_ints, out_floats, cache, state
+
+    return step

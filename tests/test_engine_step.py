@@ -1,0 +1,216 @@
+"""The ragged engine step: each step computes its scheduled tokens rounded up to a bucket (never batch x
+chunk), padding reaches no expert and writes no real page, the batch layout groups tokens by shard,
+pipelined dispatch equals one-step-at-a-time, logprobs equal the forward's log_softmax, a request
+whose logits go non-finite stops with an error without harming its neighbours, metrics are JSON."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dsv3_jax import cache as kv_cache
+from dsv3_jax import step
+from dsv3_jax.api import ModelHandle
+from dsv3_jax.attention import MLA
+from dsv3_jax.cache import PageMeta
+from dsv3_jax.config import ModelConfig
+from dsv3_jax.decode import GenerationError
+from dsv3_jax.engine import Engine, EngineConfig
+from dsv3_jax.model import Transformer
+
+CFG = ModelConfig.preset("tiny").replace(vocab_size=256, max_position_embeddings=512,
+                                         num_nextn_predict_layers=0)
+FAST = dict(token_buckets=(8, 32, 128), row_buckets=(4, 16))  # few compiles on CPU
+
+
+def _params(cfg: ModelConfig, seed: int = 0) -> dict:
+    model = Transformer(cfg)
+    return jax.jit(lambda k: model.init(k, jnp.zeros((1, 4), jnp.int32))["params"])(jax.random.key(seed))
+
+
+@pytest.fixture(scope="module")
+def params():
+    return _params(CFG)
+
+
+def _prompts(n, lo=3, hi=40, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(2, 256, rng.integers(lo, hi)).tolist() for _ in range(n)]
+
+
+def test_each_step_computes_its_tokens_rounded_to_a_bucket(params, monkeypatch):
+    """Instrument the batch builder and the traced attention: a step's token count is the scheduled
+    count rounded up to its bucket, and a prefill chunk never pads the decode rows beside it."""
+    handle = ModelHandle(CFG, params)  # a fresh handle: nothing compiled yet, so every program traces
+    built, traced = [], []
+    real_build = step.build
+
+    def build(rows, **kw):
+        b = real_build(rows, **kw)
+        built.append(([r.n for r in rows], b.key))
+        return b
+
+    real_mla = MLA.__call__
+
+    def mla(self, x, *a, **kw):
+        traced.append(x.shape)
+        return real_mla(self, x, *a, **kw)
+
+    monkeypatch.setattr(step, "build", build)
+    monkeypatch.setattr(MLA, "__call__", mla)
+    chunk, max_batch = 32, 16
+    eng = Engine(handle, EngineConfig(num_pages=64, page_size=4, max_batch=max_batch, max_batched_tokens=128,
+                                      chunk_size=chunk, **FAST))
+    for p in _prompts(6, 3, 8, seed=1):  # short prompts: decode rows soon
+        eng.add_request(p, max_new_tokens=10)
+    for _ in range(3):
+        eng.step()
+    eng.add_request(_prompts(1, 90, 91, seed=2)[0], max_new_tokens=3)  # a long prompt joins: chunks
+    for _ in eng.run():
+        pass
+    mixed = 0
+    for ns, key in built:
+        assert key.tokens == step.bucket(sum(ns), FAST["token_buckets"]), (ns, key)
+        assert key.rows == step.bucket(len(ns), FAST["row_buckets"])
+        if max(ns) > 1 and ns.count(1) >= 2:
+            mixed += 1
+            assert key.tokens < len(ns) * chunk  # the old engine computed rows x chunk here
+    assert mixed >= 1, "the load was meant to mix a prefill chunk with decode rows"
+    # The model itself saw [N, 1] token batches (one token per attention row), N a bucket.
+    assert traced and all(t == 1 and b in FAST["token_buckets"] for b, t, _ in traced)
+    assert {k.tokens for _, k in built} == {b for b, _, _ in traced}
+
+
+def test_padding_changes_no_expert_load_and_writes_no_real_page(params):
+    model = Transformer(CFG)
+    rng = np.random.default_rng(3)
+    n = 5
+    toks = rng.integers(2, 256, n)
+    cache0 = kv_cache.allocate(CFG, 8, 4)
+    table = np.tile(np.arange(1, 5, dtype=np.int32), (1, 1))
+
+    def run(total):
+        t = np.zeros(total, np.int32)
+        t[:n] = toks
+        t[n:] = rng.integers(2, 256, total - n)  # padding with real-looking ids
+        pos = np.concatenate([np.arange(n), np.full(total - n, 3)]).astype(np.int32)
+        valid = (np.arange(total) < n).astype(np.int32)
+        meta = PageMeta(jnp.asarray(np.repeat(table, total, 0)), jnp.asarray(valid))
+        (logits, _, cache), state = model.apply({"params": params}, jnp.asarray(t)[:, None],
+                                                jnp.asarray(pos)[:, None], cache0, meta,
+                                                mutable=["intermediates"])
+        load = state["intermediates"]["moe_layers"]["mlp"]["expert_load"][0]
+        return np.asarray(logits)[:n], np.asarray(load), cache
+
+    lg_a, load_a, cache_a = run(n)
+    lg_b, load_b, cache_b = run(16)
+    np.testing.assert_array_equal(load_a, load_b)  # [layers, experts]: padding routed nowhere
+    assert load_a.sum() == CFG.n_moe_layers * n * CFG.num_experts_per_tok
+    np.testing.assert_allclose(lg_a, lg_b, rtol=1e-5, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(cache_a), jax.tree.leaves(cache_b), strict=True):
+        np.testing.assert_array_equal(np.asarray(a)[:, 1:], np.asarray(b)[:, 1:])  # page 0 is scratch
+
+
+def test_batch_layout_groups_tokens_by_shard():
+    def row(rid, n, shard):
+        return step.RowPlan(rid, rid, 0, list(range(1, n + 1)), n, False, True, 0, 0, [rid + 1], 0.0, 1.0, 0,
+                            0, 0, shard)
+
+    b = step.build([row(0, 5, 0), row(1, 1, 1), row(2, 2, 1), row(3, 1, 0)], spec_k=0,
+                   token_buckets=(2, 4, 8), row_buckets=(1, 2, 4), min_width=2, logprobs=False, num_shards=2)
+    assert b.key.tokens == 16 and b.key.rows == 4  # two shards x bucket(6 tokens) / bucket(2 rows)
+    row_of, valid = b.view("row_of"), b.view("valid")
+    assert valid[:8].sum() == 6 and valid[8:].sum() == 3  # shard 0: rows 0, 3; shard 1: rows 1, 2
+    assert b.row_index == [0, 2, 3, 1]
+    assert set(row_of[:6]) == {0, 1} and set(row_of[8:11]) == {2, 3}
+    np.testing.assert_array_equal(b.view("row_start")[b.row_index], [0, 8, 9, 5])
+
+
+def test_pipelined_equals_one_step_at_a_time_and_metrics_are_json(params):
+    handle = ModelHandle(CFG, params)
+    prompts = _prompts(5, seed=4)
+    outs, compile_s = [], []
+    for pipeline in (True, False):
+        eng = Engine(handle, EngineConfig(num_pages=40, page_size=4, max_batch=4, max_batched_tokens=32,
+                                          chunk_size=16, pipeline=pipeline, **FAST))
+        got = eng.generate(prompts, max_new_tokens=9, temperature=1.0, top_k=20, eos=(7, 9))
+        outs.append([(r.output, r.finish_reason) for r in got])
+        eng.pool.check()
+        assert eng.pool.num_used == 0 and not eng.has_work()
+        json.dumps(eng.engine_stats(), allow_nan=False)
+        compile_s.append(eng.engine_stats()["compile_s"])
+        for r in got:
+            json.dumps(r.metrics(), allow_nan=False)
+    assert outs[0] == outs[1]
+    assert compile_s[0] > 0 and compile_s[1] == 0  # the second engine reuses the compiled steps
+
+
+def test_logprobs_equal_log_softmax_of_the_forward(params):
+    handle = ModelHandle(CFG, params)
+    prompts = _prompts(2, seed=5)
+    eng = Engine(handle, EngineConfig(num_pages=40, page_size=4, **FAST))
+    r0 = eng.add_request(prompts[0], max_new_tokens=4, logprobs=3)
+    r1 = eng.add_request(prompts[1], max_new_tokens=4)  # no logprobs for this one
+    seen = {r0: [], r1: []}
+    for ev in eng.run():
+        seen[ev.rid].append(ev.logprobs)
+    assert all(x is None for x in seen[r1])
+    req = eng.finished[r0]
+    assert len(req.output_logprobs) == 4
+    full = prompts[0] + req.output
+    lsm = np.asarray(jax.nn.log_softmax(handle.forward([full])[0], -1))
+    for j, lp in enumerate(req.output_logprobs):
+        pos = len(prompts[0]) - 1 + j
+        assert lp.token == req.output[j]
+        np.testing.assert_allclose(lp.logprob, lsm[pos, lp.token], atol=2e-4)
+        assert [t for t, _ in lp.top] == np.argsort(-lsm[pos], kind="stable")[:3].tolist()
+        np.testing.assert_allclose([v for _, v in lp.top], np.sort(lsm[pos])[::-1][:3], atol=2e-4)
+    with pytest.raises(ValueError, match="logprobs"):
+        eng.add_request([1, 2], logprobs=21)
+
+
+def test_non_finite_logits_stop_only_that_request(params):
+    poison = 11
+    bad = jax.tree.map(lambda x: x, params)
+    bad["embed_tokens"]["embedding"] = bad["embed_tokens"]["embedding"].at[poison].set(jnp.nan)
+    clean, handle = ModelHandle(CFG, params), ModelHandle(CFG, bad)
+    prompts = [p for p in _prompts(6, seed=6) if poison not in p][:3]
+    poisoned = prompts[0][:2] + [poison] + prompts[0][2:]
+    cfg = EngineConfig(num_pages=30, page_size=4, max_batch=4, max_batched_tokens=64, **FAST)
+    want = [r.output for r in Engine(clean, cfg).generate(prompts, max_new_tokens=6)]
+    eng = Engine(handle, cfg)
+    rids = [eng.add_request(p, max_new_tokens=6) for p in [poisoned, *prompts]]
+    events = [ev for ev in eng.run()]
+    err = eng.finished[rids[0]]
+    assert err.finish_reason == "error" and "non-finite" in err.error and "\n" not in err.error
+    assert any(ev.rid == rids[0] and ev.finish_reason == "error" and ev.error for ev in events)
+    assert [eng.finished[r].output for r in rids[1:]] == want
+    # Its pages were zeroed: later requests that reuse them are unharmed.
+    again = eng.generate(prompts, max_new_tokens=6)
+    assert [r.output for r in again] == want
+    with pytest.raises(GenerationError, match="non-finite"):
+        handle.generate(poisoned, max_new_tokens=3, temperature=0)
+
+
+def test_cache_layout_has_one_owner():
+    from pallas_kernels.mla_decode import PAGE_SIZE
+
+    assert kv_cache.PAGE_SIZE == PAGE_SIZE  # the kernel keeps its own copy (no dsv3_jax import)
+    v3 = ModelConfig.preset("deepseek-v3")
+    assert kv_cache.bytes_per_token(v3, "absorbed", jnp.bfloat16) == 70_272 == v3.kv_bytes_per_token()
+    assert kv_cache.bytes_per_token(CFG, "naive", jnp.bfloat16) == CFG.kv_bytes_per_token("naive")
+    shapes = jax.eval_shape(lambda: kv_cache.allocate(CFG, 4, form="naive"))
+    assert set(shapes["moe_layers"]) == set(kv_cache.LEAVES["naive"])
+
+
+def test_warmup_compiles_every_step_ahead(params):
+    handle = ModelHandle(CFG, params)
+    eng = Engine(handle, EngineConfig(num_pages=40, page_size=4, max_batch=4, max_batched_tokens=8,
+                                      chunk_size=8, token_buckets=(8,), row_buckets=(4,)))
+    assert eng.warmup() > 0 and eng.stats["compiles"] == 1
+    eng.generate(_prompts(3, 3, 8, seed=7), max_new_tokens=3)
+    assert eng.stats["compiles"] == 1 and eng.stats["steps"] > 1
