@@ -90,6 +90,10 @@ def world(tmp_path_factory):
     nan_cfg = root / "ckpt-nan-config"
     shutil.copytree(ckpt, nan_cfg)
     _edit_json(nan_cfg / "config.json", rope_theta=float("nan"))
+    nan_w = root / "ckpt-nan-weights"  # the final norm all NaN: every logit is NaN (issue 12, class 7)
+    shutil.copytree(ckpt, nan_w)
+    chunk = nan_w / "params" / "norm.weight" / "0"
+    chunk.write_bytes(np.full(chunk.stat().st_size // 4, np.nan, np.float32).tobytes())
     gen_cfg = root / "ckpt-genconfig"
     shutil.copytree(ckpt, gen_cfg)
     (gen_cfg / "generation_config.json").write_text(json.dumps({"temperature": "hot"}))
@@ -109,7 +113,7 @@ def world(tmp_path_factory):
         data += b"\0" * nb
         off += nb
     _write_shard(shard, header, data)
-    return {"root": root, "src": src, "ckpt": ckpt, "damaged": damaged, "nan_cfg": nan_cfg,
+    return {"root": root, "src": src, "ckpt": ckpt, "damaged": damaged, "nan_cfg": nan_cfg, "nan_w": nan_w,
             "gen_cfg": gen_cfg, "hf_bad": (hf_bad, bad_name, shard.name)}
 
 
@@ -234,6 +238,9 @@ def _cli_cases(world, tmp: Path) -> list[tuple[dict, int, list[str]]]:
         (gen("--ckpt", str(world["gen_cfg"]), "--prompt", "x"), 2,
          ["generation_config.json field `temperature`", "'hot'"]),
         (gen("--ckpt", str(hf_bad), "--prompt", "x"), 2, [bad_name, bad_shard, "shape [7, 5]"]),
+        # The engine's non-finite guard, seen from the CLI: one line, exit 1 (a failed run, not bad input).
+        (gen("--ckpt", str(world["nan_w"]), "--prompt", "hello", "--max-new-tokens", "3"), 1,
+         ["prompt 0", "non-finite logits"]),
     ]
 
     def plan(*argv: str) -> dict:
@@ -271,7 +278,7 @@ def test_every_cli_refuses_bad_input_in_one_clear_line(world, tmp_path):
         if r["traceback"] or "Traceback" in r["stderr"]:
             bad.append(f"{label}: traceback\n{r['traceback'] or r['stderr']}")
             continue
-        lines = [x for x in r["stderr"].splitlines() if x.strip()]
+        lines = [x for x in r["stderr"].splitlines() if x.strip() and not x.startswith("[dsv3_jax]")]  # info
         if r["code"] != code or len(lines) != 1 or not all(n in lines[0] for n in names):
             bad.append(f"{label}: exit {r['code']}, stderr {r['stderr']!r}, wanted {names}")
     for case, r in zip(good, results[len(cases):], strict=True):
