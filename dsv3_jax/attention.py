@@ -17,7 +17,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from dsv3_jax import kernels
+from dsv3_jax import dp_attention, kernels
 from dsv3_jax.cache import PageMeta, gather_pages, write_pages
 from dsv3_jax.config import ModelConfig
 from dsv3_jax.layers import Linear, RMSNorm
@@ -94,10 +94,17 @@ class MLA(nn.Module):
             q_lat = jnp.einsum("bthd,hdr->bthr", q_nope, w_uk)
             new_latent = jnp.concatenate([latent, k_pe], axis=-1)  # [B, T, 576]
             if cache is not None:
-                pages = write_pages(cache["pages"], new_latent, meta, start)
+                def paged(pages, new, meta, start, q_lat, q_pe):
+                    pages = write_pages(pages, new, meta, start)
+                    o, _ = kernels.mla_attention(q_lat, q_pe, pages, meta.block_table, start, meta.chunk_lens,
+                                                 softmax_scale=scale)
+                    return o, pages
+
+                # Per batch shard on its own pages (DP attention); as is on one shard.
+                o_lat, pages = dp_attention.shard_local(
+                    paged, (cache["pages"], new_latent, meta, start, q_lat, q_pe.astype(q_lat.dtype)),
+                    ("pages", "rows", "meta", "rows", "heads", "heads"), ("heads", "pages"))
                 cache = {"pages": pages}
-                o_lat, _ = kernels.mla_attention(q_lat, q_pe.astype(q_lat.dtype), pages, meta.block_table,
-                                                 start, meta.chunk_lens, softmax_scale=scale)
             else:
                 c_kv, k_rope = latent, k_pe
                 scores = (jnp.einsum("bthr,bsr->bhts", q_lat, c_kv, preferred_element_type=jnp.float32)
@@ -110,10 +117,16 @@ class MLA(nn.Module):
             v = jnp.einsum("btr,hvr->bthv", latent, w_uv)
             k = jnp.concatenate([k_nope, jnp.broadcast_to(k_pe[:, :, None, :], (b, t, h, dr))], axis=-1)
             if cache is not None:
-                cache = {"k_pages": write_pages(cache["k_pages"], k, meta, start),
-                         "v_pages": write_pages(cache["v_pages"], v, meta, start)}
-                k = gather_pages(cache["k_pages"], meta.block_table).astype(x.dtype)
-                v = gather_pages(cache["v_pages"], meta.block_table).astype(x.dtype)
+                def paged(kp, vp, k, v, meta, start):
+                    kp, vp = write_pages(kp, k, meta, start), write_pages(vp, v, meta, start)
+                    return gather_pages(kp, meta.block_table), gather_pages(vp, meta.block_table), kp, vp
+
+                k, v, kp, vp = dp_attention.shard_local(
+                    paged, (cache["k_pages"], cache["v_pages"], k, v, meta, start),
+                    ("pages", "pages", "heads", "heads", "meta", "rows"),
+                    ("heads", "heads", "pages", "pages"))
+                cache = {"k_pages": kp, "v_pages": vp}
+                k, v = k.astype(x.dtype), v.astype(x.dtype)
                 k_pos = jnp.broadcast_to(jnp.arange(k.shape[1]), (b, k.shape[1]))
             else:
                 k_pos = positions

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv3_jax import cache as kv_cache
-from dsv3_jax import kernels, moe, sharding, step
+from dsv3_jax import kernels, lockstep, moe, sharding, step
 from dsv3_jax.paging import OutOfPages, PagePool
 from dsv3_jax.sampling import MAX_LOGPROBS, validate_sampling_params
 from dsv3_jax.scheduler import Request, Scheduler
@@ -172,8 +172,14 @@ class Engine:
         if handle.mesh is not None:  # the flat token batch is split over data x expert: whole buckets
             m = sharding.batch_multiple(handle.mesh)
             c.token_buckets = tuple(b for b in c.token_buckets if b % m == 0) or (m,)
+            # DP attention: batch shard s holds its sequences' pages only (slice s of the pool).
+            self._shards = m
+            c.num_pages = -(-c.num_pages // m) * m
         enable_compilation_cache()
-        self.pool = PagePool(c.num_pages, c.page_size, c.prefix_caching)
+        # Multi-host: the other processes build this engine too, before any device array exists
+        # (placing arrays on a mesh that spans processes is collective).
+        lockstep.announce(c)
+        self.pool = PagePool(c.num_pages, c.page_size, c.prefix_caching, shards=self._shards)
         self.cache = sharding.place_cache(handle, kv_cache.allocate(
             mc, c.num_pages, c.page_size, handle.attention, jnp.dtype(mc.dtype), mtp=bool(c.spec_k)))
         self.state = step.init_state(c.max_batch + 1, c.spec_k, mc.vocab_size)
@@ -226,9 +232,10 @@ class Engine:
             raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) + spec_k overflows "
                              f"the context of {self.handle.config.max_position_embeddings} tokens")
         need = pages_needed(len(prompt), max_new_tokens, self.cfg.spec_k, self.cfg.page_size)
-        if need > self.pool.num_pages - 1:
+        if need > self.pool.pages_per_shard - 1:
+            where = f" per batch shard (of {self.pool.shards})" if self.pool.shards > 1 else ""
             raise ValueError(f"request needs {need} pages of {self.cfg.page_size} tokens but the pool has "
-                             f"{self.pool.num_pages - 1}: it could never run")
+                             f"{self.pool.pages_per_shard - 1}{where}: it could never run")
         r = Request(next(self.sched.ids), prompt, max_new_tokens, float(temperature), float(top_p),
                     int(top_k), int(seed), frozenset(int(e) for e in eos), logprobs=logprobs,
                     arrival=self.clock())
@@ -249,7 +256,7 @@ class Engine:
             # Its pages may hold NaN: zero them so the next owner's masked slots stay finite.
             pages = np.zeros(step.bucket(len(r.pages), tuple(1 << i for i in range(24))), np.int32)
             pages[:len(r.pages)] = r.pages
-            self.cache = _clear_pages(self.cache, jnp.asarray(pages))
+            self.clear_pages(pages)
         self.sched.remove(r)
         self.finished[r.rid] = r
 
@@ -290,7 +297,7 @@ class Engine:
                                ("padded_tokens", "sum_padded", batch.key.tokens)):
             st[name].append(v)
             st[total] += v
-        st["peak_page_usage"] = max(st["peak_page_usage"], self.pool.num_used / (self.pool.num_pages - 1))
+        st["peak_page_usage"] = max(st["peak_page_usage"], self.pool.num_used / self.pool.capacity)
         prev, self._inflight = self._inflight, (batch, plan, outs)
         if prev is not None:
             events += self._commit(prev)
@@ -306,15 +313,26 @@ class Engine:
         return self._commit(prev) if prev is not None else []
 
     def _execute(self, batch: step.StepBatch):
-        fn = self._compiled(batch.key)
-        ints, floats = self._put(batch.ints), self._put(batch.floats)
-        with self.handle.mesh_context():
-            out_ints, out_floats, self.cache, self.state = fn(self.handle.params, self.cache, self.state,
-                                                              ints, floats)
+        out_ints, out_floats = self.execute(batch.key, batch.ints, batch.floats)
         out_ints.copy_to_host_async()
         if batch.key.logprobs:
             out_floats.copy_to_host_async()
         return out_ints, out_floats
+
+    def execute(self, key: step.StepKey, ints: np.ndarray, floats: np.ndarray):
+        """Run the compiled step `key` on packed host inputs; (out_ints, out_floats) device arrays.
+        Multi-host followers (lockstep.follow) call this with process 0's inputs."""
+        lockstep.step(key, ints, floats)
+        fn = self._compiled(key)
+        with self.handle.mesh_context():
+            out_ints, out_floats, self.cache, self.state = fn(self.handle.params, self.cache, self.state,
+                                                              self._put(ints), self._put(floats))
+        return out_ints, out_floats
+
+    def clear_pages(self, pages: np.ndarray) -> None:
+        """Zero physical pages (int32 [n]; 0 entries touch only scratch) in every cache leaf."""
+        lockstep.clear(pages)
+        self.cache = _clear_pages(self.cache, jnp.asarray(pages))
 
     def _put(self, x: np.ndarray) -> jax.Array:
         if self.handle.mesh is None:

@@ -44,6 +44,7 @@ class Request:
     output_logprobs: list[Any] = dataclasses.field(default_factory=list)
     pages: list[int] = dataclasses.field(default_factory=list)
     slot: int = -1  # row of the device-resident per-request state while running
+    shard: int = 0  # batch shard (DP attention) holding its pages while it has any
     computed: int = 0  # tokens whose latents are in the cache or being written by a dispatched step
     pending: int = 0  # tokens sampled by a dispatched step and not yet committed (0 or 1)
     drafts: list[int] = dataclasses.field(default_factory=list)
@@ -102,7 +103,7 @@ class Scheduler:
         if need <= 0:
             return True
         try:
-            r.pages += self.pool.allocate(need)
+            r.pages += self.pool.allocate(need, shard=r.shard)
             return True
         except OutOfPages:
             return False
@@ -140,7 +141,19 @@ class Scheduler:
         ndraft = len(r.drafts) if final and r.drafts else 0
         hint = r.tokens[start + n] if not final and start + n < r.known else 0
         return RowPlan(r.rid, r.slot, start, chunk, n, pending_last, final, ndraft, hint, list(r.pages),
-                       r.temperature, r.top_p, r.top_k, r.seed, len(r.output) + r.pending)
+                       r.temperature, r.top_p, r.top_k, r.seed, len(r.output) + r.pending, r.shard)
+
+    def pick_shard(self, r: Request) -> int:
+        """DP attention: the batch shard for a request being admitted: the fewest running sequences,
+        then the most obtainable pages, then the longest cached prefix of its tokens."""
+        if self.pool.shards == 1:
+            return 0
+        load = [0] * self.pool.shards
+        for q in self.running:
+            load[q.shard] += 1
+        cap = (r.known - 1) // self.pool.page_size
+        return min(range(self.pool.shards), key=lambda s: (load[s], -self.pool.free_in(s),
+                                                           -self.pool.cached_prefix(r.tokens, cap, s), s))
 
     def schedule(self, can_preempt: bool = True) -> tuple[list[tuple[Request, RowPlan]], bool]:
         """Rows for one step and whether some row was left out for want of pages (then the engine
@@ -182,7 +195,8 @@ class Scheduler:
                and len(self.running) < self.max_batch):
             r = self.waiting[0]
             if not r.pages:
-                hit = self.pool.match_prefix(r.tokens, (r.known - 1) // self.pool.page_size)
+                r.shard = self.pick_shard(r)
+                hit = self.pool.match_prefix(r.tokens, (r.known - 1) // self.pool.page_size, shard=r.shard)
                 r.pages, r.computed = hit, len(hit) * self.pool.page_size
                 r.registered_pages = len(hit)
                 if not r.preemptions:
