@@ -43,7 +43,11 @@ from dsv3_jax.config import ModelConfig  # noqa: E402
 
 CFG = ModelConfig.preset("tiny").replace(vocab_size=512)
 INDEX = "model.safetensors.index.json"
-EXPECTED = (ValueError, OSError)  # every library error is a ValueError subclass; files give OSError
+# Every library error is a ValueError subclass, files give OSError, a request the engine stopped on
+# device (non-finite logits) gives decode.GenerationError.
+from dsv3_jax.decode import GenerationError  # noqa: E402
+
+EXPECTED = (ValueError, OSError, GenerationError)
 
 
 @dataclasses.dataclass
@@ -556,6 +560,12 @@ def cli_cases(w: dict, tmp: Path) -> list[Case]:
         (["--ckpt", ck, "--input-file", str(inp / "role.jsonl"), "--max-new-tokens", "1"], ["'developer'"]),
         (["--ckpt", ck, "--input-file", str(inp / "content.jsonl"), "--max-new-tokens", "1"], ["'content'"]),
     ]
+    nan_w = tmp / "ckpt-nan-weights"  # the final norm all NaN: every logit is NaN
+    shutil.copytree(w["ckpt"], nan_w)
+    chunk = nan_w / "params" / "norm.weight" / "0"
+    chunk.write_bytes(np.full(chunk.stat().st_size // 4, np.nan, np.float32).tobytes())
+    w["nan_w"] = nan_w
+    rows.append((["--ckpt", str(nan_w), "--prompt", "hello", "--max-new-tokens", "3"], ["non-finite logits"]))
     cases = [Case("cli", "generate " + " ".join(a)[-80:], "refuse", names, {"cli": "generate", "argv": a})
              for a, names in rows]
     for a in (["--ckpt", ck, "--input-file", str(inp / "bom.txt"), "--max-new-tokens", "2", "--json"],
@@ -670,6 +680,8 @@ def api_cases(w: dict, tmp: Path) -> list[Case]:
                           call=lambda kw=kw: handle().generate([3, 4], **{"max_new_tokens": 2, **kw})))
     cases.append(Case("api", "handle.generate token id beyond the vocabulary", "refuse", ["token"],
                       call=lambda: handle().generate([3, 10**6], max_new_tokens=2)))
+    cases.append(Case("api", "handle.generate with NaN weights", "refuse", ["non-finite logits"],
+                      call=lambda: dsv3_jax.load(w["nan_w"]).generate([3, 4], max_new_tokens=2)))
     cases.append(Case("api", "handle.generate empty prompt", "refuse", ["prompt"],
                       call=lambda: handle().generate([], max_new_tokens=2)))
     cases.append(Case("api", "handle.chat unknown role", "refuse", ["'developer'"],
@@ -691,7 +703,7 @@ def classify_cli(c: Case, r: dict) -> None:
     if r["traceback"] or "Traceback" in err:
         c.verdict, c.detail = "unclear", (r["traceback"] or err).strip().splitlines()[-1][:200]
         return
-    lines = [x for x in err.splitlines() if x.strip() and not x.startswith("  - ")]
+    lines = [x for x in err.splitlines() if x.strip() and not x.startswith(("  - ", "[dsv3_jax]"))]
     if c.expect == "refuse":
         if r["code"] in (0, None):
             c.verdict, c.detail = "silent", f"exit {r['code']}"
