@@ -202,6 +202,10 @@ def plan(cfg: ModelConfig, mesh: str | Mapping[str, int] | Any, *, dtype: str = 
     parameter tree (e.g. the shapes of a checkpoint without the MTP layer).
     """
     if isinstance(mesh, str | Mapping):
+        if isinstance(mesh, str):
+            from dsv3_jax.cli import check_mesh
+
+            mesh = check_mesh(mesh, "mesh")  # an empty string would silently mean one device
         sizes = sharding.parse_mesh_spec(mesh)
         if -1 in sizes.values():
             raise sharding.MeshError(f"plan: mesh {mesh!r} has a -1 axis; give every size explicitly")
