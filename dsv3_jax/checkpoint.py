@@ -2,8 +2,9 @@
 
 Owns: finding a checkpoint's files, turning them into the model's parameter tree in the requested dtype,
 the "is this a complete checkpoint" check, and refusing a damaged one in one error naming the thing:
-the manifest's entries (typed, `params_dir` inside the checkpoint), each leaf's array files (missing or
-truncated chunks named by leaf and file before the restore starts), an HF directory's tensors
+the manifest's entries (typed, `params_dir` inside the checkpoint, leaf shapes matching config.json),
+each leaf's array files (missing or truncated chunks named by leaf and file before the restore
+starts), an HF directory's tensors
 (validated by the converter's check: names, shapes, dtypes, index entries inside the directory).
 Must not own the model or meshes; placement onto devices is given as a `shardings` tree by the caller.
 """
