@@ -22,9 +22,9 @@ from dsv3_jax import checkpoint, decode, sharding
 from dsv3_jax.attention import ATTENTION_FORMS
 from dsv3_jax.cli import check_mesh, compute_dtype_name
 from dsv3_jax.config import ModelConfig
-from dsv3_jax.decode import GenerationResult, sampling_settings
+from dsv3_jax.decode import GenerationResult
 from dsv3_jax.model import Transformer
-from dsv3_jax.sampling import load_generation_defaults, validate_sampling_params
+from dsv3_jax.sampling import load_generation_defaults
 from dsv3_jax.tokenizer import Tokenizer
 
 
@@ -40,6 +40,8 @@ class ModelHandle:
     tokenizer: Tokenizer | None = None
     generation_defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
     param_shardings: Any = None  # NamedShardings of `params` on `mesh` (None without a mesh)
+    # EngineConfig fields generate() uses (CLI: --max-batch, --max-batched-tokens, the plan-sized pool)
+    engine_defaults: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_FORMS:
@@ -94,9 +96,12 @@ class ModelHandle:
         return [int(t) for t in prompt]
 
     def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]], *,
-                 max_new_tokens: int = 64, temperature: float | None = None, top_p: float | None = None,
-                 top_k: int | None = None, seed: int = 0, stop: str | Sequence[str] | None = None,
-                 stream: bool = False, ignore_eos: bool = False, spec_k: int = 0):
+                 max_new_tokens: int | Sequence[int] = 64, temperature: float | Sequence[float] | None = None,
+                 top_p: float | Sequence[float] | None = None, top_k: int | Sequence[int] | None = None,
+                 seed: int | Sequence[int] = 0,
+                 stop: str | Sequence[str] | Sequence[Sequence[str] | None] | None = None,
+                 logprobs: int | Sequence[int | None] | None = None, stream: bool = False,
+                 ignore_eos: bool = False, spec_k: int = 0):
         """Generate for one prompt or a batch (strings or token-id lists) through the serving engine.
 
         Returns a list of `GenerationResult` (one per prompt; a single result for a single prompt).
@@ -104,18 +109,21 @@ class ModelHandle:
         (prompt index, piece) pairs for a batch. Sampling defaults come from generation_config.json;
         temperature 0 is greedy. `spec_k` > 0 drafts that many tokens per step with the MTP head
         (speculative decoding; greedy output is unchanged, sampled output keeps its distribution).
-        Prompt i samples with seed `seed + i`.
+
+        Per prompt, as the server does per request: `max_new_tokens`, `temperature`, `top_p`, `top_k`,
+        `seed` and `logprobs` each take one value for all prompts or a list with one per prompt; `stop`
+        takes a string or list of strings for all, or a list of lists (or None) per prompt. A single
+        seed gives prompt i the seed `seed + i`. `logprobs=n` (0..20) fills `result.logprobs` with each
+        token's logprob (log-softmax of the raw logits) and its n most likely alternatives.
         """
         single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], (int, np.integer)))
         batch = [prompts] if single else list(prompts)
         ids = [self._encode(p) for p in batch]
-        validate_sampling_params(1.0, 1.0, 0, seed=seed)  # int32, like the engine's per-request seeds
-        validate_sampling_params(1.0, 1.0, 0, seed=int(seed) + max(len(ids) - 1, 0))  # prompt i: seed + i
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
-        eos = [] if ignore_eos else self._eos_ids()
-        settings = sampling_settings(self.generation_defaults, temperature, top_p, top_k)
-        it = decode.stream(self, ids, max_new_tokens=max_new_tokens, seed=seed, eos_ids=eos, stop=stops,
-                           sampling=[settings] * len(ids), tokenizer=self.tokenizer, spec_k=spec_k)
+        params = decode.prompt_params(len(ids), self.generation_defaults, max_new_tokens=max_new_tokens,
+                                      temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
+                                      logprobs=logprobs)
+        eos = [] if ignore_eos else self.eos_ids()
+        it = decode.stream(self, ids, params, eos_ids=eos, tokenizer=self.tokenizer, spec_k=spec_k)
         if stream:
             return (piece if single else (i, piece) for i, piece, res in it if res is None and piece)
         results: list[GenerationResult | None] = [None] * len(ids)
@@ -133,7 +141,8 @@ class ModelHandle:
         ids = encode_chat(self.tokenizer, messages, add_generation_prompt=True, thinking=thinking)
         return self.generate(ids, **kwargs)
 
-    def _eos_ids(self) -> list[int]:
+    def eos_ids(self) -> list[int]:
+        """Token ids that end a generation: generation_config's, else the tokenizer's or config's EOS."""
         ids = list(self.generation_defaults.get("eos_token_ids", []))
         if not ids:
             ids = [self.tokenizer.eos_id] if self.tokenizer and self.tokenizer.eos_id is not None \

@@ -11,6 +11,7 @@ import random
 
 import pytest
 
+from dsv3_jax.decode import StopMatcher
 from dsv3_jax.serve.parsers import (
     CALL_BEGIN,
     CALL_END,
@@ -18,7 +19,6 @@ from dsv3_jax.serve.parsers import (
     CALLS_BEGIN,
     CALLS_END,
     ChatOutputParser,
-    StopMatcher,
     tool_description,
 )
 

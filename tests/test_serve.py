@@ -1,4 +1,4 @@
-"""The real server (`python -m dsv3_jax.serve`, embedded default model) as a subprocess on a free loopback
+"""The real server (`python -m dsv3_jax.serve`, the embedded default model) as a subprocess on a free loopback
 port, driven by the official `openai` client: outputs equal `handle.generate`, streaming, reasoning split,
 prefix cache across requests, 64 concurrent streams, client disconnect, 400s, /metrics.
 
@@ -8,6 +8,7 @@ Every wait is bounded (client timeouts, deadlines) so a broken server fails the 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import socket
@@ -22,12 +23,13 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from dsv3_jax import api
+from dsv3_jax import api, engine
 from dsv3_jax.chat import encode_chat
+from dsv3_jax.engine import EngineConfig
 
 MODEL = "dsv3-default"
 STARTUP_S = 300  # load + compile on a busy 2-core box
-MAX_BATCH = 16
+MAX_BATCH = 64  # all 64 concurrent clients in one batch
 THINK_START, THINK_END = 128798, 128799  # ids of "<think>" and "</think>" in the V3.1 tokenizer
 
 
@@ -43,8 +45,10 @@ def server_proc(tmp_path_factory):
     port = _free_port()
     log = tmp_path_factory.mktemp("serve") / "server.log"
     cmd = [sys.executable, "-m", "dsv3_jax.serve", "--port", str(port), "--max-batch", str(MAX_BATCH),
-           "--num-pages", "160", "--chunk-size", "64", "--max-batched-tokens", "256", "--max-pending", "100",
+           "--num-pages", "160", "--chunk-size", "256", "--max-batched-tokens", "256", "--max-pending", "100",
            "--no-warmup", "--log-level", "warning"]
+    if "token_buckets" in {f.name for f in dataclasses.fields(EngineConfig)}:
+        cmd += ["--token-buckets", "64,256", "--row-buckets", f"4,{MAX_BATCH}"]  # few shapes: few compiles
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
@@ -62,7 +66,9 @@ def server_proc(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def handle(server_proc):
-    return api.tiny_default()
+    if hasattr(engine, "enable_compilation_cache"):  # before the first compile, else JAX ignores it
+        engine.enable_compilation_cache()
+    return api.load()  # the embedded default, as the server loads it without --ckpt
 
 
 @pytest.fixture(scope="module")
@@ -110,19 +116,19 @@ def test_completion_matches_generate_stream_and_not(client, handle):
     c = r.choices[0]
     assert c.model_extra["token_ids"] == ref.token_ids
     assert c.model_extra["prompt_token_ids"] == ref.prompt_token_ids
-    assert c.text == ref.text and c.finish_reason == ref.finish_reason == "length"
-    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ref.prompt_token_ids), 6)
+    assert c.text == ref.text and c.finish_reason == ref.finish_reason
+    assert r.usage.prompt_tokens == len(ref.prompt_token_ids)
+    assert r.usage.completion_tokens == len(ref.token_ids)
     chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0,
                                             stream=True, stream_options={"include_usage": True}))
     assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == ref.text
-    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
-    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
-    # Token-id prompts and several prompts in one request, each choice in place.
-    ids = [ref.prompt_token_ids, ref.prompt_token_ids[:3]]
-    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=4, temperature=0,
-                                  extra_body={"return_token_ids": True})
-    assert [c.model_extra["token_ids"] for c in r.choices] == \
-        [x.token_ids for x in handle.generate(ids, max_new_tokens=4, temperature=0.0)]
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == ref.finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ref.token_ids)
+    # Token-id prompts, several in one request, each choice in place.
+    r = client.completions.create(model=MODEL, prompt=[ref.prompt_token_ids, ref.prompt_token_ids[:3]],
+                                  max_tokens=3, temperature=0, extra_body={"return_token_ids": True})
+    assert r.choices[0].model_extra["token_ids"] == ref.token_ids[:3]
+    assert r.choices[1].model_extra["prompt_token_ids"] == ref.prompt_token_ids[:3]
 
 
 def test_chat_matches_generate_stream_and_not(client, handle):
@@ -151,7 +157,7 @@ def test_reasoning_split_thinking_on(client, handle):
     assert r.model_extra["prompt_token_ids"][-1] == THINK_START
     out = r.choices[0].model_extra["token_ids"]
     tok = handle.tokenizer
-    # The random model does not close its reasoning: everything it says is reasoning (else split at </think>).
+    # Everything before </think> is reasoning, the rest content (the small model rarely closes it).
     cut = out.index(THINK_END) if THINK_END in out else len(out)
     reasoning = tok.decode(out[:cut], skip_special_tokens=True)
     assert r.choices[0].message.model_extra["reasoning_content"] == (reasoning or None)
@@ -178,13 +184,13 @@ def test_concurrent_streams_equal_solo_outputs(server, handle):
     """64 streaming clients at once (8 distinct prompts, each 8 times): every stream complete and equal
     to the prompt's solo greedy output; pages back to the starting count afterwards."""
     start = _health(server)
-    prompts = [[7 + i, 100 + 3 * i, 2000 + 17 * i] + list(range(300, 300 + 3 * i)) for i in range(8)]
-    solo = [handle.generate(p, max_new_tokens=4, temperature=0.0, ignore_eos=True).token_ids for p in prompts]
+    prompts = [[7 + i, 100 + 3 * i, 2000 + 17 * i, 4000 + 5 * i, 9000 + i] for i in range(8)]
+    solo = [handle.generate(p, max_new_tokens=3, temperature=0.0, ignore_eos=True).token_ids for p in prompts]
     aclient = openai.AsyncOpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=120)
 
     async def one(i: int) -> tuple[list[int], str | None]:
         ids, reason = [], None
-        stream = await aclient.completions.create(model=MODEL, prompt=prompts[i % 8], max_tokens=4,
+        stream = await aclient.completions.create(model=MODEL, prompt=prompts[i % 8], max_tokens=3,
                                                   temperature=0, stream=True,
                                                   extra_body={"return_token_ids": True, "ignore_eos": True})
         async for ch in stream:
@@ -291,10 +297,12 @@ def test_logprobs_match_the_model(client, handle):
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(ids) == 3
     assert lp.tokens == [handle.tokenizer.decode([t]) for t in ids]
     assert lp.text_offset[0] == 0
-    # First token: log_softmax of the model's raw logits at the prompt's last position.
+    # First token: log_softmax of the model's raw logits at the prompt's last position (the cached,
+    # paged prefill and this plain forward agree to rounding: exact in float32, ~1e-2 in bfloat16).
     logits = handle.forward([handle.tokenizer.encode(prompt)])[0, -1].astype(np.float64)
     ref = logits - logits.max() - np.log(np.exp(logits - logits.max()).sum())
-    assert abs(lp.token_logprobs[0] - ref[ids[0]]) < 1e-4
+    tol = 1e-4 if handle.config.dtype == "float32" else 5e-2
+    assert abs(lp.token_logprobs[0] - ref[ids[0]]) < tol
     for i in range(3):  # greedy: the chosen token is the most likely; 3 alternatives each
         assert 1 <= len(lp.top_logprobs[i]) <= 3
         assert abs(max(lp.top_logprobs[i].values()) - lp.token_logprobs[i]) < 1e-5
@@ -308,12 +316,15 @@ def test_logprobs_match_the_model(client, handle):
 
 def test_stop_strings_n_and_seed(client, handle):
     prompt = "Counting: one two"
-    ref = handle.generate(prompt, max_new_tokens=8, temperature=0.0)
+    ref = handle.generate(prompt, max_new_tokens=8, temperature=0.0, ignore_eos=True)
     stop = ref.text[3:6]  # a stop string in the middle of the greedy continuation
-    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, stop=[stop, "@@@"])
+    assert len(stop) == 3
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, stop=[stop, "@@@"],
+                                  extra_body={"ignore_eos": True})
     assert r.choices[0].text == ref.text[: ref.text.find(stop)] and r.choices[0].finish_reason == "stop"
     # n samples with a seed: reproducible, and the samples differ from each other.
-    kw = dict(model=MODEL, prompt=prompt, max_tokens=6, temperature=1.0, top_p=1.0, n=3, seed=1234)
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=6, temperature=2.0, top_p=1.0, n=3, seed=1234,
+              extra_body={"ignore_eos": True})
     a, b = client.completions.create(**kw), client.completions.create(**kw)
     assert [c.text for c in a.choices] == [c.text for c in b.choices]
     assert [c.index for c in a.choices] == [0, 1, 2] and len({c.text for c in a.choices}) > 1

@@ -96,7 +96,7 @@ def served(tokenizer):
         tokenizer=tokenizer, generation_defaults={"temperature": 0.6, "top_p": 0.95},
         config=types.SimpleNamespace(max_position_embeddings=4096, vocab_size=tokenizer.vocab_size,
                                      bos_token_id=tokenizer.bos_id),
-        _eos_ids=lambda: [tokenizer.eos_id])
+        eos_ids=lambda: [tokenizer.eos_id])
     runner = EngineRunner(handle, EngineConfig(num_pages=64, max_batch=4), max_pending=3, metrics=Metrics(),
                           engine_factory=ScriptedEngine)
     runner.start()

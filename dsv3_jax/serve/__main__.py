@@ -77,13 +77,17 @@ def engine_config(args: argparse.Namespace) -> Any:
 
 
 def load_handle(args: argparse.Namespace) -> Any:
-    from dsv3_jax import api
+    from dsv3_jax import api, engine
+
+    # JAX reads the persistent-cache setting at its first compile, and loading already compiles: turn
+    # the engine's compilation cache on before that, or every server start recompiles every step.
+    if hasattr(engine, "enable_compilation_cache"):
+        engine.enable_compilation_cache()
 
     if args.ckpt is None:
         print("[dsv3_jax.serve] no --ckpt: serving the embedded default model", file=sys.stderr)
-        return api.tiny_default(attention=args.attention)
-    if not args.ckpt.exists():
-        raise FileNotFoundError(f"checkpoint not found: {args.ckpt}")
+    elif not args.ckpt.is_dir():
+        raise FileNotFoundError(f"checkpoint directory not found: {args.ckpt}")
     return api.load(args.ckpt, mesh=args.mesh, attention=args.attention, dtype=args.dtype)
 
 

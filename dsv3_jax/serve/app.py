@@ -25,9 +25,10 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dsv3_jax.chat import encode_chat
+from dsv3_jax.decode import StopMatcher
 from dsv3_jax.serve import protocol as P
 from dsv3_jax.serve.metrics import CONTENT_TYPE, Metrics
-from dsv3_jax.serve.parsers import ChatOutputParser, StopMatcher, tool_description
+from dsv3_jax.serve.parsers import ChatOutputParser, tool_description
 from dsv3_jax.serve.runner import EngineRunner, Overloaded, Submission
 from dsv3_jax.tokenizer import IncrementalDetokenizer
 
@@ -188,7 +189,7 @@ class Service:
                   "temperature": _pick(req.temperature, d.get("temperature", 1.0)),
                   "top_p": _pick(req.top_p, d.get("top_p", 1.0)),
                   "top_k": max(int(top_k), 0), "seed": (seed + index) % _SEED_MOD,
-                  "eos": [] if req.ignore_eos else self.handle._eos_ids()}
+                  "eos": [] if req.ignore_eos else self.handle.eos_ids()}
         if num_logprobs is not None:
             params["logprobs"] = num_logprobs
         return params

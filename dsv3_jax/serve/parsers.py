@@ -1,7 +1,8 @@
 """The model's output text, parsed for the OpenAI API: stop strings, `<think>` reasoning, V3.1 tool calls.
 
 Owns: the DeepSeek-V3.1 output markers as text (think tags, the tool-call tokens), the incremental parsers
-that turn a stream of text pieces into reasoning, content and tool-call deltas, and the tool description
+that turn a stream of text pieces into reasoning, content and tool-call deltas (after decode.py's stop
+strings), and the tool description
 block that the V3.1 model card puts into the system prompt (its chat template does not render `tools`).
 Every parser holds back a tail that could still grow into a marker, so pieces split anywhere (inside a
 marker, inside a multi-character stop string) give the same result as the whole text at once, and the
@@ -19,48 +20,11 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from dsv3_jax.decode import StopMatcher, held_tail
+
 THINK_START, THINK_END = "<think>", "</think>"
 CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CALL_BEGIN, CALL_END, CALL_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
-
-
-def _held_tail(text: str, markers: Sequence[str]) -> int:
-    """Length of the longest tail of `text` that is a proper prefix of one of `markers` (may still grow)."""
-    best = 0
-    for m in markers:
-        for n in range(min(len(m) - 1, len(text)), best, -1):
-            if text.endswith(m[:n]):
-                best = n
-                break
-    return best
-
-
-class StopMatcher:
-    """Cuts the text at the first stop string; holds back a tail that could be the start of one."""
-
-    def __init__(self, stops: Sequence[str] = ()):
-        self.stops = [s for s in stops if s]
-        self.stopped = False
-        self._held = ""
-
-    def feed(self, piece: str) -> str:
-        """The part of `piece` (plus held text) that is safe to emit; sets `stopped` on a hit."""
-        if self.stopped:
-            return ""
-        if not self.stops:
-            return piece
-        buf = self._held + piece
-        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            self.stopped, self._held = True, ""
-            return buf[: min(hits)]
-        keep = _held_tail(buf, self.stops)
-        self._held = buf[len(buf) - keep:]
-        return buf[: len(buf) - keep]
-
-    def flush(self) -> str:
-        out, self._held = self._held, ""
-        return out
 
 
 class ReasoningParser:
@@ -91,7 +55,7 @@ class ReasoningParser:
         if i >= 0:
             self.in_reasoning = False
             return buf[:i], buf[i + len(THINK_END):]
-        keep = _held_tail(buf, [THINK_END])
+        keep = held_tail(buf, [THINK_END])
         self._held = buf[len(buf) - keep:]
         return buf[: len(buf) - keep], ""
 
@@ -159,7 +123,7 @@ class ToolCallParser:
                     content.append(buf[:i])
                     buf, self.state = buf[i + len(CALLS_BEGIN):], "between"
                     continue
-                keep = _held_tail(buf, [CALLS_BEGIN]) if self.state == "text" else 0
+                keep = held_tail(buf, [CALLS_BEGIN]) if self.state == "text" else 0
                 content.append(buf[: len(buf) - keep])
                 self._held, buf = buf[len(buf) - keep:], ""
             elif self.state == "between":
@@ -181,12 +145,12 @@ class ToolCallParser:
                     deltas.append(ToolCallDelta(len(self.calls) - 1, call.id, call.name))
                     buf, self.state = buf[i + len(CALL_SEP):], "args"
                     continue
-                keep = _held_tail(buf, [CALL_SEP])
+                keep = held_tail(buf, [CALL_SEP])
                 self._name += buf[: len(buf) - keep]
                 self._held, buf = buf[len(buf) - keep:], ""
             else:  # args
                 i = buf.find(CALL_END)
-                piece = buf[:i] if i >= 0 else buf[: len(buf) - _held_tail(buf, [CALL_END])]
+                piece = buf[:i] if i >= 0 else buf[: len(buf) - held_tail(buf, [CALL_END])]
                 self._args(piece, deltas)
                 if i >= 0:
                     buf, self.state = buf[i + len(CALL_END):], "between"
