@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from dsv3_jax import cache as kv_cache
+from dsv3_jax import sharding
 from dsv3_jax.engine import Engine, EngineConfig, TokenLogprob, pages_needed, validate_request
 from dsv3_jax.sampling import MAX_LOGPROBS, validate_sampling_params
 from dsv3_jax.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -121,8 +122,12 @@ def stream(handle: Any, prompts: Sequence[Sequence[int]], params: Sequence[Promp
     ps = kv_cache.PAGE_SIZE
     pages = sum(pages_needed(len(p), q.max_new_tokens, spec_k, ps) for p, q in zip(prompts, params))
     # Power-of-two pool and row-slot sizes: repeated calls reuse the compiled steps.
-    ecfg = EngineConfig(num_pages=1 + _pow2(pages), page_size=ps, max_batch=max(_pow2(len(prompts)), 64),
-                        spec_k=spec_k)
+    # DP attention: every batch shard's slice can hold them all (each device keeps one slice, so per
+    # device this is the one-device pool).
+    shards = 1 if handle.mesh is None else sharding.batch_multiple(handle.mesh)
+    sizing = {"num_pages": shards * (1 + _pow2(pages)), "max_batch": max(_pow2(len(prompts)), 64),
+              **getattr(handle, "engine_defaults", {})}  # flags and the plan-sized pool (parallel_cli)
+    ecfg = EngineConfig(page_size=ps, spec_k=spec_k, **sizing)
     eng = Engine(handle, ecfg)
     rids = {eng.add_request(p, eos=eos_ids, **q.engine_kwargs()): i
             for i, (p, q) in enumerate(zip(prompts, params))}

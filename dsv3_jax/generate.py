@@ -45,6 +45,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="speculative decoding with K MTP draft tokens per step (0 = off, up to 3)")
     p.add_argument("--stats", action="store_true", help="print per-request and engine metrics")
     p.add_argument("--json", action="store_true", help="print machine-readable results (JSON lines)")
+    from dsv3_jax import parallel_cli
+
+    parallel_cli.add_flags(p)  # --tp/--dp/--ep, capacity, multi-process
     return p
 
 
@@ -52,15 +55,19 @@ def _load(args: argparse.Namespace):
     from dsv3_jax import api
 
     if args.ckpt is None:
-        print("[dsv3_jax] no --ckpt: the embedded default model, a small DeepSeek-V3 (MLA at the real "
-              "widths, MoE, MTP, YaRN; 19M parameters) trained for 5 minutes on the Python standard "
-              "library: it writes Python-looking code, nothing more", file=sys.stderr)
-        return api.load(None, mesh=args.mesh, attention=args.attention, dtype=args.dtype)
+        from dsv3_jax.distributed import main_print
+
+        main_print("[dsv3_jax] no --ckpt: the embedded default model, a small DeepSeek-V3 (MLA at the real "
+                   "widths, MoE, MTP, YaRN; 19M parameters) trained for 5 minutes on the Python standard "
+                   "library: it writes Python-looking code, nothing more", file=sys.stderr)
+        return api.load(None, mesh=args.mesh, attention=args.attention, dtype=args.dtype,
+                        n_activated_experts=args.n_activated_experts)
     if not args.ckpt.exists():
         raise FileNotFoundError(f"checkpoint not found: {args.ckpt}")
     if not args.ckpt.is_dir():
         raise ValueError(f"--ckpt {args.ckpt} is not a directory")
-    return api.load(args.ckpt, mesh=args.mesh, attention=args.attention, dtype=args.dtype)
+    return api.load(args.ckpt, mesh=args.mesh, attention=args.attention, dtype=args.dtype,
+                    n_activated_experts=args.n_activated_experts)
 
 
 def _check_flags(args: argparse.Namespace) -> None:
@@ -81,6 +88,9 @@ def _check_flags(args: argparse.Namespace) -> None:
     if args.mesh is not None:
         args.mesh = check_mesh(args.mesh)
         sharding.parse_mesh_spec(args.mesh)  # names the bad axis or size now, not after loading
+    from dsv3_jax import parallel_cli
+
+    parallel_cli.check(args)
     if any(not s for s in args.stop):
         raise ValueError("--stop: an empty stop string would stop before the first token")
 
@@ -211,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from dsv3_jax.cli import report_error
     from dsv3_jax.decode import GenerationError
+    from dsv3_jax.distributed import DistributedError
 
     args = _parser().parse_args(argv)
     try:
@@ -220,7 +231,14 @@ def main(argv: list[str] | None = None) -> int:
             from dsv3_jax.sampling import validate_sampling_params
 
             validate_sampling_params(1.0, 1.0, 0, seed=args.seed + n - 1)  # prompt i samples with seed + i
+        from dsv3_jax import lockstep, parallel_cli
+
+        parallel_cli.start(args)  # jax.distributed when several processes run this command
         handle = _load(args)
+        if lockstep.is_follower():  # process 0 owns the prompts and the output; this one replays steps
+            lockstep.follow(handle)
+            return 0
+        handle.engine_defaults = parallel_cli.engine_defaults(handle, args, spec_k=args.mtp)
         from dsv3_jax.engine import enable_compilation_cache
 
         where = enable_compilation_cache()
@@ -233,13 +251,29 @@ def main(argv: list[str] | None = None) -> int:
         else:
             _run_batch(handle, args)
     except (ValueError, OSError, jinja2.TemplateError) as e:  # ConfigError, CheckpointError, PlanError...
+        _stop_followers(e)
         return report_error("generate", e)
+    except DistributedError as e:  # a multi-process start-up failed, or process 0 failed (followers)
+        report_error("generate", e)
+        return 1
     except GenerationError as e:  # the engine stopped a request (e.g. non-finite logits): one line, exit 1
+        _stop_followers(e)
         report_error("generate", e)
         return 1
     except KeyboardInterrupt:
+        _stop_followers("interrupted")
         return 130
+    from dsv3_jax import lockstep
+
+    lockstep.finish()
     return 0
+
+
+def _stop_followers(error: object) -> None:
+    """Multi-process: end the other processes with process 0's error (a no-op otherwise)."""
+    from dsv3_jax import lockstep
+
+    lockstep.fail(str(error))
 
 
 if __name__ == "__main__":
