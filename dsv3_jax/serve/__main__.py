@@ -47,6 +47,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="requests in flight before new ones get 429 (default: 4 x --max-batch)")
     p.add_argument("--no-warmup", action="store_true", help="skip compiling the engine step before serving")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    from dsv3_jax import parallel_cli
+
+    parallel_cli.add_flags(p, engine_sizing=False)  # --tp/--dp/--ep, --memory-fraction, multi-process
     return p
 
 
@@ -88,7 +91,8 @@ def load_handle(args: argparse.Namespace) -> Any:
         print("[dsv3_jax.serve] no --ckpt: serving the embedded default model", file=sys.stderr)
     elif not args.ckpt.is_dir():
         raise FileNotFoundError(f"checkpoint directory not found: {args.ckpt}")
-    return api.load(args.ckpt, mesh=args.mesh, attention=args.attention, dtype=args.dtype)
+    return api.load(args.ckpt, mesh=args.mesh, attention=args.attention, dtype=args.dtype,
+                    n_activated_experts=getattr(args, "n_activated_experts", None))
 
 
 def build(args: argparse.Namespace, handle: Any = None):
@@ -130,19 +134,34 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from dsv3_jax import lockstep, parallel_cli
     from dsv3_jax.config import ConfigError
+    from dsv3_jax.distributed import DistributedError
+    from dsv3_jax.engine import EngineConfig
 
     try:
-        app, runner = build(args)
+        parallel_cli.check(args)
+        parallel_cli.start(args)  # jax.distributed when several processes (hosts) run this command
+        handle = load_handle(args)
+        if lockstep.is_follower():  # process 0 serves HTTP; this process replays its engine steps
+            lockstep.follow(handle)
+            return 0
+        parallel_cli.size_server_pool(handle, args, EngineConfig().num_pages, spec_k=args.spec_k)
+        app, runner = build(args, handle)
     except (FileNotFoundError, ValueError, ConfigError) as e:
+        lockstep.fail(str(e))
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except DistributedError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     import uvicorn
 
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
     finally:
         runner.stop()
+        lockstep.finish()
     return 0
 
 
