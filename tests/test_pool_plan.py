@@ -77,3 +77,31 @@ def test_v3_on_one_host():
     tp, ep = plan.pool_plan(v3, "tensor=8", **kw), plan.pool_plan(v3, "expert=8", **kw)
     assert tp.page_bytes_per_device == ep.page_bytes_per_device == 70_272 * 64
     assert tp.kv_bytes_per_device > ep.kv_bytes_per_device and ep.max_requests > 3 * tp.max_requests
+
+
+def test_engine_pool_sized_by_the_plan(tmp_path):
+    """The CLI's sizing (parallel_cli.engine_defaults) on a loaded tiny model with a declared device memory:
+    the engine gets exactly the plan's pages, each device holds the plan's KV bytes."""
+    import argparse
+
+    import dsv3_jax
+    from dsv3_jax import parallel_cli
+    from dsv3_jax.engine import Engine, EngineConfig
+    from tests.hf_reference import make_hf_model, save_hf
+
+    handle = dsv3_jax.load(save_hf(make_hf_model("h8e16"), tmp_path / "m"), mesh="data=2,tensor=2,expert=2")
+    args = argparse.Namespace(device_memory=None, max_model_len=128, memory_fraction=0.9, max_batch=8,
+                              max_batched_tokens=64)
+    assert parallel_cli.engine_defaults(handle, args) == {"max_batch": 8, "max_batched_tokens": 64}  # CPU
+    w = plan.plan(handle.config, handle.mesh, dtype="fp32", device_memory="1GB", reserve=0,
+                  params_or_shapes=handle.params)
+    args.device_memory = str(int((w.weight_bytes_per_device + 50 * 2**20) / 0.9))  # ~50 MB left per device
+    p = parallel_cli.engine_plan(handle, args)
+    got = parallel_cli.engine_defaults(handle, args)
+    assert got["num_pages"] == p.num_pages and p.pages_per_shard > 1 + p.pages_per_request
+    assert p.batch_shards == 4 and p.num_pages == 4 * p.pages_per_shard
+    eng = Engine(handle, EngineConfig(page_size=kv_cache.PAGE_SIZE, **got))
+    assert eng.pool.num_pages == p.num_pages and eng.pool.shards == 4
+    per_dev = sum(s.data.nbytes for x in jax.tree.leaves(eng.cache) for s in x.addressable_shards
+                  if s.device == jax.devices()[0])
+    assert per_dev == p.kv_bytes_per_device
