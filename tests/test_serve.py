@@ -48,7 +48,7 @@ def server_proc(tmp_path_factory):
            "--num-pages", "160", "--chunk-size", "256", "--max-batched-tokens", "256", "--max-pending", "100",
            "--no-warmup", "--log-level", "warning"]
     if "token_buckets" in {f.name for f in dataclasses.fields(EngineConfig)}:
-        cmd += ["--token-buckets", "64,256", "--row-buckets", f"4,{MAX_BATCH}"]  # few shapes: few compiles
+        cmd += ["--token-buckets", "8,64,256", "--row-buckets", f"4,{MAX_BATCH}"]  # few shapes: few compiles
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
