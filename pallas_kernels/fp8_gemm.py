@@ -28,7 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.fp8_quant import BLOCK, FP8_DTYPE, num_blocks, quantize_act
-from pallas_kernels.group_tiles import store_rows
+from pallas_kernels.group_tiles import num_sms, pad_axis, round_up, store_rows
 from pallas_kernels.group_tiles import tile_metadata as _tile_metadata
 
 _WG_M = 64  # rows per compute warpgroup (wgmma's M)
@@ -72,11 +72,6 @@ DECODE_CONFIG = Fp8GemmConfig(wg_split="n", max_concurrent_steps=4)  # 6 stages 
 def default_config(num_rows: int, num_groups: int) -> Fp8GemmConfig:
     """Pick the prefill tiling when groups average at least 64 rows, the decode tiling otherwise."""
     return PREFILL_CONFIG if num_rows >= 64 * num_groups else DECODE_CONFIG
-
-
-def _num_sms() -> int:
-    dev = jax.devices()[0]
-    return getattr(dev, "core_count", None) or 132
 
 
 def _kernel_body(
@@ -195,18 +190,6 @@ def _kernel_body(
         plgpu.wait_smem_to_gmem(0)
 
 
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
-
-
-def _pad_axis(x: jax.Array, axis: int, size: int) -> jax.Array:
-    if x.shape[axis] == size:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, size - x.shape[axis])
-    return jnp.pad(x, widths)
-
-
 def _check_inputs(x_fp8, x_scale, w_fp8, w_scale, group_sizes) -> None:
     if x_fp8.ndim != 2 or x_fp8.dtype != FP8_DTYPE:
         raise ValueError(f"x_fp8 must be [M, K] float8_e4m3fn, got {x_fp8.shape} {x_fp8.dtype}")
@@ -264,14 +247,14 @@ def fp8_grouped_gemm(
 
     # Pad only odd shapes (DeepSeek's are all multiples of 128): K to a whole scale block, N to a
     # whole tile, M to at least one tile. Padding is zeros, which adds nothing to the products.
-    kp, np_ = _round_up(k, _BK), _round_up(n, cfg.tile_n)
+    kp, np_ = round_up(k, _BK), round_up(n, cfg.tile_n)
     mp = max(m, cfg.tile_m)
-    x = _pad_axis(_pad_axis(x_fp8, 1, kp), 0, mp)
-    w = _pad_axis(w_fp8, 1, np_) if np_ != n else w_fp8
-    w = _pad_axis(w, 2, kp)
-    ws = _pad_axis(w_scale.astype(jnp.float32), 1, np_ // _WG_N)
+    x = pad_axis(pad_axis(x_fp8, 1, kp), 0, mp)
+    w = pad_axis(w_fp8, 1, np_) if np_ != n else w_fp8
+    w = pad_axis(w, 2, kp)
+    ws = pad_axis(w_scale.astype(jnp.float32), 1, np_ // _WG_N)
     # Scales transposed to [Kb, M] so one TMA copy brings a K block's scales for a whole row tile.
-    xs = _pad_axis(x_scale.astype(jnp.float32).T, 1, _round_up(mp, cfg.tile_m))
+    xs = pad_axis(x_scale.astype(jnp.float32).T, 1, round_up(mp, cfg.tile_m))
     meta, num_slots = _tile_metadata(group_sizes, mp, cfg.tile_m)
     # Padding rows (mp > m) belong to the zero tail: the group sizes still sum to at most m.
 
@@ -288,7 +271,7 @@ def fp8_grouped_gemm(
     kernel = plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((mp, np_), out_dtype),
-        grid=(2 if interpret else _num_sms(),),
+        grid=(2 if interpret else num_sms(),),
         grid_names=("sm",),
         num_threads=_NUM_COMPUTE_WGS + 1,
         thread_name="wg",

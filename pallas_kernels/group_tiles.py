@@ -2,7 +2,8 @@
 
 Owns: how rows sorted by group are cut into row tiles that never straddle two groups
 (``tile_metadata``, computed outside the kernels), and how a kernel writes back only a tile's valid
-rows (``store_rows``, a power-of-two ladder of TMA stores). Must not know about dtypes, scales,
+rows (``store_rows``, a power-of-two ladder of TMA stores), and the few shape helpers both kernels
+share (``round_up``, ``pad_axis``, ``num_sms``). Must not know about dtypes, scales,
 tilings of N/K or the model: both kernels and the bf16 reference build on these two pieces only.
 """
 
@@ -77,3 +78,21 @@ def store_rows(o_smem, out_gmem, row_base, start, size, col0, max_rows: int) -> 
 
         start = start + (size & p)
         p //= 2
+
+
+def round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def pad_axis(x: jax.Array, axis: int, size: int) -> jax.Array:
+    """Zero-pad `axis` of `x` up to `size` (no copy when it already has that size)."""
+    if x.shape[axis] == size:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, widths)
+
+
+def num_sms() -> int:
+    """Streaming multiprocessors of the first device (the persistent kernels' grid); 132 on an H100/H200."""
+    return getattr(jax.devices()[0], "core_count", None) or 132

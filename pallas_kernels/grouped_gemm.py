@@ -27,7 +27,18 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.group_tiles import GROUP, HI, LO, ROW0, store_rows, tile_counts, tile_metadata
+from pallas_kernels.group_tiles import (
+    GROUP,
+    HI,
+    LO,
+    ROW0,
+    num_sms,
+    pad_axis,
+    round_up,
+    store_rows,
+    tile_counts,
+    tile_metadata,
+)
 
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _BK = 64  # K per pipeline step: 64 two-byte values = one 128-byte swizzle row
@@ -90,11 +101,6 @@ def default_config(num_rows: int, num_groups: int) -> GroupedGemmConfig:
 def _epi_cols(out_dtype) -> int:
     """Epilogue chunk width: 128 bytes of output per row."""
     return 128 // jnp.dtype(out_dtype).itemsize
-
-
-def _num_sms() -> int:
-    dev = jax.devices()[0]
-    return getattr(dev, "core_count", None) or 132
 
 
 def _kernel_body(counts_gmem, meta_gmem, x_gmem, w_gmem, out_gmem, *, cfg: GroupedGemmConfig,
@@ -201,18 +207,6 @@ def _kernel_body(counts_gmem, meta_gmem, x_gmem, w_gmem, out_gmem, *, cfg: Group
         plgpu.wait_smem_to_gmem(0)
 
 
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
-
-
-def _pad_axis(x: jax.Array, axis: int, size: int) -> jax.Array:
-    if x.shape[axis] == size:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, size - x.shape[axis])
-    return jnp.pad(x, widths)
-
-
 def _check_inputs(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> None:
     if x.ndim != 2 or x.dtype not in DTYPES:
         raise ValueError(f"x must be [M, K] bfloat16 or float16, got {x.shape} {x.dtype}")
@@ -234,16 +228,16 @@ def _run_kernel(x, w, group_sizes, out_dtype, cfg: GroupedGemmConfig, interpret:
     # DeepSeek's shapes need no padding: K is a multiple of 64 and N of the tile. Odd shapes are padded
     # with zeros (a copy of the operands), which adds nothing to the products. M is padded only up to
     # one row tile; partial tiles at the end read past M (TMA fills zeros) and store only valid rows.
-    kp, np_, mp = _round_up(k, _BK), _round_up(n, cfg.tile_n), max(m, cfg.tile_m)
-    xp = _pad_axis(_pad_axis(x, 1, kp), 0, mp)
-    wp = _pad_axis(_pad_axis(w, 2, kp), 1, np_)
+    kp, np_, mp = round_up(k, _BK), round_up(n, cfg.tile_n), max(m, cfg.tile_m)
+    xp = pad_axis(pad_axis(x, 1, kp), 0, mp)
+    wp = pad_axis(pad_axis(w, 2, kp), 1, np_)
     meta, _ = tile_metadata(group_sizes, mp, cfg.tile_m)  # padding rows belong to the zero tail
     counts = tile_counts(meta, w.shape[0])
     body = functools.partial(_kernel_body, cfg=cfg, n_tiles=np_ // cfg.tile_n, k_steps=kp // _BK)
     kernel = plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((mp, np_), out_dtype),
-        grid=(2 if interpret else _num_sms(),),
+        grid=(2 if interpret else num_sms(),),
         grid_names=("sm",),
         num_threads=_NUM_COMPUTE_WGS + 1,
         thread_name="wg",
@@ -330,9 +324,9 @@ def grouped_gemm_reference(
     if m == 0 or n == 0:
         return jnp.zeros((m, n), out_dtype)
     t = _reference_row_tile(m, g)
-    mp = _round_up(m, t)
+    mp = round_up(m, t)
     meta, _ = tile_metadata(group_sizes, mp, t)
-    xp = _pad_axis(x, 0, mp).astype(jnp.float32)
+    xp = pad_axis(x, 0, mp).astype(jnp.float32)
 
     def one_tile(col):
         gi, row0, lo, hi = col[GROUP], col[ROW0], col[LO], col[HI]
