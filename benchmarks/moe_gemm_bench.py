@@ -51,14 +51,7 @@ def group_sizes_for(m: int, e: int, load: str, seed: int = 0) -> np.ndarray:
 
 def time_jax(fn, *args, iters: int = 10, warmup: int = 2) -> float:
     """Median wall-clock ms of ``fn(*args)`` (each call synchronised)."""
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(ts)
+    return time_jax_spread(fn, *args, iters=iters, warmup=warmup)[0]
 
 
 def time_torch(fn, iters: int = 10, warmup: int = 2) -> float:
