@@ -170,7 +170,7 @@ def main() -> int:
     rates = [float(x) for x in args.rates.split(",")]
 
     from dsv3_jax import api
-    from dsv3_jax.engine import Engine, enable_compilation_cache
+    from dsv3_jax.engine import Engine
     from dsv3_jax.serve.__main__ import _parser, engine_config
 
     with socket.socket() as s:
@@ -180,7 +180,6 @@ def main() -> int:
     proc = start_server(port, log)  # loads while the offline arm runs (it idles until requests come)
     base = f"http://127.0.0.1:{port}"
     try:
-        enable_compilation_cache()  # before the first compile (loading compiles), else JAX ignores it
         handle = api.load()  # the embedded default model, as the server loads it without --ckpt
         eng = Engine(handle, engine_config(_parser().parse_args(ENGINE_FLAGS)))
         vocab = handle.config.vocab_size

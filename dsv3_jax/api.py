@@ -23,6 +23,7 @@ from dsv3_jax.attention import ATTENTION_FORMS
 from dsv3_jax.cli import check_mesh, compute_dtype_name
 from dsv3_jax.config import ModelConfig
 from dsv3_jax.decode import GenerationResult
+from dsv3_jax.engine import enable_compilation_cache
 from dsv3_jax.model import Transformer
 from dsv3_jax.sampling import load_generation_defaults
 from dsv3_jax.tokenizer import Tokenizer
@@ -197,6 +198,8 @@ def load(path: str | Path | None = None, *, mesh: Any = None, attention: str = "
     `max_seq_len` tokens (default: the model's context) in `device_memory` (default: what the
     accelerator reports; no check on CPU), else PlanError with the numbers.
     """
+    # JAX decides at its first compile whether the persistent cache is on, and loading compiles.
+    enable_compilation_cache()
     path = DEFAULT_MODEL_DIR if path is None else Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory not found: {path}")
@@ -275,7 +278,8 @@ def _check_plan(cfg: ModelConfig, mesh: Any, max_seq_len: int | None,
 
 
 def tiny_default(*, attention: str = "absorbed", seed: int = 0) -> ModelHandle:
-    """The embedded default: the `tiny` preset with seeded random weights and DeepSeek-V3.1's tokenizer.
+    """The `tiny` preset with seeded random weights and DeepSeek-V3.1's tokenizer (parity tests and
+    experiments; the embedded default is the trained model `load()` returns).
 
     Its text is gibberish (the weights are random) but every mechanism runs: MLA, groups, YaRN, MTP.
     """

@@ -23,7 +23,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from dsv3_jax import api, engine
+from dsv3_jax import api
 from dsv3_jax.chat import encode_chat
 from dsv3_jax.engine import EngineConfig
 
@@ -66,8 +66,6 @@ def server_proc(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def handle(server_proc):
-    if hasattr(engine, "enable_compilation_cache"):  # before the first compile, else JAX ignores it
-        engine.enable_compilation_cache()
     return api.load()  # the embedded default, as the server loads it without --ckpt
 
 

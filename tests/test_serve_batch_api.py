@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dsv3_jax import api, engine
+from dsv3_jax import api
 from dsv3_jax.decode import StopMatcher
 
 PROMPTS = [[5, 6, 7], [100, 200, 300, 400], [9, 8]]
@@ -14,7 +14,6 @@ PROMPTS = [[5, 6, 7], [100, 200, 300, 400], [9, 8]]
 
 @pytest.fixture(scope="module")
 def handle():
-    engine.enable_compilation_cache()  # before the first compile (loading compiles), else JAX ignores it
     return api.load()
 
 

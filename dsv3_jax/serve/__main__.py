@@ -80,12 +80,7 @@ def engine_config(args: argparse.Namespace) -> Any:
 
 
 def load_handle(args: argparse.Namespace) -> Any:
-    from dsv3_jax import api, engine
-
-    # JAX reads the persistent-cache setting at its first compile, and loading already compiles: turn
-    # the engine's compilation cache on before that, or every server start recompiles every step.
-    if hasattr(engine, "enable_compilation_cache"):
-        engine.enable_compilation_cache()
+    from dsv3_jax import api
 
     if args.ckpt is None:
         print("[dsv3_jax.serve] no --ckpt: serving the embedded default model", file=sys.stderr)
