@@ -223,7 +223,7 @@ class Engine:
                     logprobs: int | None = None) -> int:
         prompt = [int(t) for t in prompt]
         validate_request(self.handle.config, prompt, max_new_tokens)
-        validate_sampling_params(temperature, top_p, top_k)
+        validate_sampling_params(temperature, top_p, top_k, seed=seed)  # seeds live in int32 arrays
         if logprobs is not None and not (isinstance(logprobs, int | np.integer)
                                          and 0 <= logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an integer in 0..{MAX_LOGPROBS} (or None), got {logprobs!r}")

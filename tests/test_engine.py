@@ -106,6 +106,8 @@ def test_cancellation_and_oversized_requests(handle):
         eng.add_request(list(range(2, 40)), max_new_tokens=8)
     with pytest.raises(ValueError, match="overflows the context"):
         eng.add_request([3] * 500, max_new_tokens=20)
+    with pytest.raises(ValueError, match="seed"):  # seeds are int32 on the device
+        eng.add_request([3, 4, 5], max_new_tokens=4, seed=2**40)
     rid = eng.add_request([3, 4, 5], max_new_tokens=20)
     eng.step()
     assert eng.pool.num_used > 0
