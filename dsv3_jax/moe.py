@@ -1,9 +1,9 @@
 """Mixture of experts: the `noaux_tc` grouped sigmoid router and the routed + shared SwiGLU experts.
 
 Owns: expert selection and weights (`route`), token permutation by expert, the grouped matmuls
-(through `kernels.grouped_matmul`: the FP8 Pallas kernel on Hopper, `ragged_dot` elsewhere) and the
-weighted un-permutation. Only the chosen experts' work is computed. Expert weights are stacked [E, ...]
-in the HF [out, in] layout.
+(through `kernels.grouped_matmul`: the FP8 or BF16 Pallas kernel on Hopper, their references
+elsewhere) and the weighted un-permutation. Only the chosen experts' work is computed. Expert weights
+are stacked [E, ...] in the HF [out, in] layout.
 
 Expert parallelism (`expert_parallel`): under `jax.set_mesh(mesh)` with a mesh from sharding.py, the
 routed experts run inside `shard_map` with explicit collectives; without a mesh (or a 1-device mesh) the

@@ -127,7 +127,7 @@ for thinking in (False, True):
     prompt_tail = h.tokenizer.decode(r.prompt_token_ids[-3:])
     print(f"thinking={thinking}: prompt ends with {prompt_tail!r}")
     print(f"  reply ({len(r.token_ids)} tokens, {r.finish_reason}): {r.text!r}")
-    print(f"  time to first token {r.time_to_first_token_s:.2f} s (includes compilation on the first call)")
+    print(f"  time to first token {r.time_to_first_token_s:.2f} s")
 """),
     md("""
     ## 4. Streaming into a cell
