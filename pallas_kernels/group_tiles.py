@@ -40,7 +40,9 @@ def tile_metadata(group_sizes: jax.Array, num_rows: int, tile_m: int) -> tuple[j
     tile_end = jnp.cumsum(ntiles)
     num_slots = -(-num_rows // tile_m) + e
     t = jnp.arange(num_slots, dtype=jnp.int32)
-    g = jnp.minimum(jnp.searchsorted(tile_end, t, side="right"), e).astype(jnp.int32)
+    # compare_all, not the default binary search: that one is a while loop, which on a GPU pays a
+    # device-to-host round trip per iteration on every grouped GEMM call; T x (G + 1) compares is tiny.
+    g = jnp.minimum(jnp.searchsorted(tile_end, t, side="right", method="compare_all"), e).astype(jnp.int32)
     row0 = (first[g] + t - (tile_end[g] - ntiles[g])) * tile_m
     valid = t < tile_end[-1]
     lo = jnp.where(valid, jnp.maximum(starts[g], row0), 0)
