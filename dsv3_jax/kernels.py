@@ -113,7 +113,7 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
     if backend() == "pallas":
         if x.dtype in DTYPES:
             # Off the GPU (forced "pallas" in tests) the kernel runs in Pallas' GPU interpreter.
-            return grouped_gemm(x, w, gs, out_dtype=x.dtype, interpret=jax.default_backend() != "gpu")
+            return grouped_gemm(x, w, gs, out_dtype=x.dtype)
         _log_grouped_dtype_fallback(str(x.dtype))
     return grouped_gemm_reference(x, w, gs, out_dtype=x.dtype)
 

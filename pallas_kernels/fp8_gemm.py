@@ -30,6 +30,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.fp8_quant import BLOCK, FP8_DTYPE, num_blocks, quantize_act
 from pallas_kernels.group_tiles import num_sms, pad_axis, round_up, store_rows
 from pallas_kernels.group_tiles import tile_metadata as _tile_metadata
+from pallas_kernels.interpret import resolve_interpret
 
 _WG_M = 64  # rows per compute warpgroup (wgmma's M)
 _WG_N = 128  # columns per compute warpgroup: one 128-wide weight-scale block
@@ -230,7 +231,8 @@ def fp8_grouped_gemm(
       group_sizes: ``[E]`` int rows per group; rows at or past the sum are output as zeros.
       out_dtype: output dtype.
       config: tiling; by default picked from the average rows per group.
-      interpret: run in Pallas GPU interpret mode; by default when the backend is not a GPU.
+      interpret: run in Pallas GPU interpret mode; None: when the backend is not a GPU
+        (``pallas_kernels.interpret``).
 
     Returns:
       ``[M, N]`` in ``out_dtype``.
@@ -242,8 +244,7 @@ def fp8_grouped_gemm(
     if m == 0:
         return jnp.zeros((0, n), out_dtype)
     cfg = config or default_config(m, e)
-    if interpret is None:
-        interpret = jax.default_backend() != "gpu"
+    interpret = resolve_interpret(interpret)
 
     # Pad only odd shapes (DeepSeek's are all multiples of 128): K to a whole scale block, N to a
     # whole tile, M to at least one tile. Padding is zeros, which adds nothing to the products.

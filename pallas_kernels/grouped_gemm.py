@@ -13,6 +13,11 @@ in fp32 registers. With ``chain`` the tile pipelines of one CTA run back to back
 next tile's first K blocks while the current tile's epilogue runs). The epilogue writes the tile's
 valid rows through shared memory in 64-column chunks with TMA stores. Rows at or past
 ``sum(group_sizes)`` come back as zeros. Gradients (``jax.grad``) go through the reference.
+
+Split-K (``k_splits > 1``, the small-M decode tiling): each work item covers one slice of K and writes
+fp32 partial sums to its own ``[k_splits, M, N]`` plane, summed (and cast) in one XLA reduction after
+the kernel. With few rows per step there are few (row tile, column tile) items, each walking the
+whole K serially on one SM; splitting K multiplies the items so every SM streams weights.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from pallas_kernels.group_tiles import (
     tile_counts,
     tile_metadata,
 )
+from pallas_kernels.interpret import resolve_interpret
 
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _BK = 64  # K per pipeline step: 64 two-byte values = one 128-byte swizzle row
@@ -57,6 +63,8 @@ class GroupedGemmConfig:
     max_concurrent_steps: TMA pipeline depth (K blocks in flight).
     chain: run one CTA's tile pipelines back to back (no drain between tiles); needs the number of K
       steps to be a multiple of the depth, otherwise each tile drains.
+    k_splits: slices of K computed as separate work items into fp32 partial planes (1: no split).
+      K (in 64-wide steps) must divide evenly; the wrapper refuses a split that does not.
     """
 
     wg_m: int = 128
@@ -64,6 +72,7 @@ class GroupedGemmConfig:
     wg_split: str = "n"
     max_concurrent_steps: int = 4
     chain: bool = True
+    k_splits: int = 1
 
     def __post_init__(self):
         if self.wg_split not in ("m", "n"):
@@ -74,6 +83,8 @@ class GroupedGemmConfig:
             raise ValueError(f"wg_n must be a multiple of 64 in [64, 256], got {self.wg_n}")
         if self.max_concurrent_steps < 1:
             raise ValueError(f"max_concurrent_steps must be >= 1, got {self.max_concurrent_steps}")
+        if self.k_splits < 1:
+            raise ValueError(f"k_splits must be >= 1, got {self.k_splits}")
 
     @property
     def tile_m(self) -> int:
@@ -86,16 +97,31 @@ class GroupedGemmConfig:
     def smem_bytes(self, out_dtype) -> int:
         """Shared memory the kernel asks for: the pipeline's stages and the epilogue's chunks."""
         stages = self.max_concurrent_steps * (self.tile_m + self.tile_n) * _BK * 2
-        return stages + _NUM_COMPUTE_WGS * self.wg_m * _epi_cols(out_dtype) * jnp.dtype(out_dtype).itemsize
+        return stages + _NUM_COMPUTE_WGS * self.wg_m * 128  # epilogue chunks: 128 bytes per row
+
+    def kernel_out_dtype(self, out_dtype) -> jnp.dtype:
+        """What the kernel itself writes: fp32 partial sums under split-K, else the output dtype."""
+        return jnp.dtype(jnp.float32) if self.k_splits > 1 else jnp.dtype(out_dtype)
 
 
 PREFILL_CONFIG = GroupedGemmConfig(wg_m=128, wg_n=128, wg_split="n", max_concurrent_steps=4)
 DECODE_CONFIG = GroupedGemmConfig(wg_m=64, wg_n=128, wg_split="n", max_concurrent_steps=4)
 
 
-def default_config(num_rows: int, num_groups: int) -> GroupedGemmConfig:
-    """The prefill tiling when groups average at least 96 rows, the decode tiling otherwise."""
-    return PREFILL_CONFIG if num_rows >= 96 * num_groups else DECODE_CONFIG
+# At most this many rows per step (a decode batch of a few users x 8 experts) the (row tile, column
+# tile) items are too few to keep every SM streaming weights, so K is split.
+SMALL_M_ROWS = 128
+SMALL_M_CONFIG = dataclasses.replace(DECODE_CONFIG, k_splits=2)
+
+
+def default_config(num_rows: int, num_groups: int, k: int | None = None) -> GroupedGemmConfig:
+    """Prefill tiling when groups average at least 96 rows; split-K decode tiling for at most
+    ``SMALL_M_ROWS`` rows (when ``k``, if given, splits into whole steps); the decode tiling otherwise."""
+    if num_rows >= 96 * num_groups:
+        return PREFILL_CONFIG
+    if num_rows <= SMALL_M_ROWS and (k is None or (round_up(k, _BK) // _BK) % SMALL_M_CONFIG.k_splits == 0):
+        return SMALL_M_CONFIG
+    return DECODE_CONFIG
 
 
 def _epi_cols(out_dtype) -> int:
@@ -105,7 +131,10 @@ def _epi_cols(out_dtype) -> int:
 
 def _kernel_body(counts_gmem, meta_gmem, x_gmem, w_gmem, out_gmem, *, cfg: GroupedGemmConfig,
                  n_tiles: int, k_steps: int):
+    """``out_gmem`` is ``[k_splits, M, N]``; ``k_steps`` counts the 64-wide steps of one K slice."""
     tm, tn, wm, wn = cfg.tile_m, cfg.tile_n, cfg.wg_m, cfg.wg_n
+    ks = cfg.k_splits
+    k_len = k_steps * _BK  # K columns per slice
     out_dtype = out_gmem.dtype
     epi = _epi_cols(out_dtype)
     tf = (plgpu.TilingTransform((8, _BK)), plgpu.SwizzleTransform(128))
@@ -132,7 +161,8 @@ def _kernel_body(counts_gmem, meta_gmem, x_gmem, w_gmem, out_gmem, *, cfg: Group
 
     @functools.partial(
         pl.run_scoped,
-        allocs=make_pipeline(ignore, ignore).get_allocations(x_gmem, w_gmem.at[0]),
+        allocs=make_pipeline(ignore, ignore).get_allocations(x_gmem.at[:, pl.ds(0, k_len)],
+                                                             w_gmem.at[0, :, pl.ds(0, k_len)]),
         out_smem=plgpu.SMEM((_NUM_COMPUTE_WGS, wm, epi), out_dtype),
         collective_axes="wg",
     )
@@ -142,36 +172,41 @@ def _kernel_body(counts_gmem, meta_gmem, x_gmem, w_gmem, out_gmem, *, cfg: Group
         n_tail = counts_gmem[1]
 
         def tile(lin):
-            """(group, row0, lo, hi, column tile, this warpgroup's first row and first column)."""
+            """(group, row0, lo, hi, column tile, this warpgroup's first row and first column, K slice).
+
+            Work items run K slice fastest, then column tile, then row tile."""
+            split, lin = lin % ks, lin // ks
             mi, ni = lin // n_tiles, lin % n_tiles
             row0 = pl.multiple_of(meta_gmem[ROW0, mi], tm)  # tiles start on tile_m boundaries
             if cfg.wg_split == "m":
                 wg_row0, col0 = row0 + wg * wm, ni * tn
             else:
                 wg_row0, col0 = row0, ni * tn + wg * wn
-            return meta_gmem[GROUP, mi], row0, meta_gmem[LO, mi], meta_gmem[HI, mi], ni, wg_row0, col0
+            return (meta_gmem[GROUP, mi], row0, meta_gmem[LO, mi], meta_gmem[HI, mi], ni, wg_row0, col0,
+                    split)
 
-        def store(acc, lo, hi, wg_row0, col0):
+        def store(acc, lo, hi, wg_row0, col0, split):
             """Write this warpgroup's rows [lo, hi) of the tile, one 128-byte-wide column chunk at a time."""
             o_smem = out_smem.at[wg]
+            out_plane = out_gmem.at[split]
             r_lo = jnp.clip(lo - wg_row0, 0, wm)
             size = jnp.clip(hi - wg_row0, 0, wm) - r_lo
             for c in range(wn // epi):
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last chunk's stores done reading
                 o_smem[...] = acc[:, c * epi:(c + 1) * epi].astype(out_dtype)
                 plgpu.commit_smem()
-                store_rows(o_smem, out_gmem, wg_row0, r_lo, size, col0 + c * epi, wm)
+                store_rows(o_smem, out_plane, wg_row0, r_lo, size, col0 + c * epi, wm)
 
-        @plgpu.nd_loop((n_real * n_tiles,), collective_axes="sm")
+        @plgpu.nd_loop((n_real * n_tiles * ks,), collective_axes="sm")
         def _matmuls(info: plgpu.NDLoopInfo):
             (lin,) = info.index
-            g, row0, lo, hi, ni, wg_row0, col0 = tile(lin)
+            g, row0, lo, hi, ni, wg_row0, col0, split = tile(lin)
 
             def ctx(eval_pipeline):
                 @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((wm, wn), jnp.float32))
                 def _acc(acc_ref):
                     eval_pipeline(acc_ref)
-                    store(acc_ref[...], lo, hi, wg_row0, col0)
+                    store(acc_ref[...], lo, hi, wg_row0, col0, split)
 
             def step(_, x_smem, w_smem, acc_ref):
                 if cfg.wg_split == "m":
@@ -182,7 +217,9 @@ def _kernel_body(counts_gmem, meta_gmem, x_gmem, w_gmem, out_gmem, *, cfg: Group
                 plgpu.wgmma_wait(0)
                 return acc_ref
 
-            refs = (x_gmem.at[pl.ds(row0, tm), :], w_gmem.at[g, pl.ds(ni * tn, tn), :])
+            k0 = pl.multiple_of(split * k_len, _BK)
+            refs = (x_gmem.at[pl.ds(row0, tm), pl.ds(k0, k_len)],
+                    w_gmem.at[g, pl.ds(ni * tn, tn), pl.ds(k0, k_len)])
             if not chain:
                 make_pipeline(step, ctx)(*refs, allocations=allocs)
                 return
@@ -194,15 +231,15 @@ def _kernel_body(counts_gmem, meta_gmem, x_gmem, w_gmem, out_gmem, *, cfg: Group
                                 (~first & ~last, S.STEADY), (~first & last, S.STOP)):
                 pl.when(cond)(lambda state=state: make_pipeline(step, ctx, state)(*refs, allocations=allocs))
 
-        @plgpu.nd_loop((n_tail * n_tiles,), collective_axes="sm")
+        @plgpu.nd_loop((n_tail * n_tiles * ks,), collective_axes="sm")
         def _zero_tail(info: plgpu.NDLoopInfo):
             (lin,) = info.index
-            _, _, lo, hi, _, wg_row0, col0 = tile(lin + n_real * n_tiles)
+            _, _, lo, hi, _, wg_row0, col0, split = tile(lin + n_real * n_tiles * ks)
 
             @pl.when(wg < _NUM_COMPUTE_WGS)
             def _():
                 zeros = plgpu.layout_cast(jnp.full((wm, wn), 0, dtype=jnp.float32), plgpu.Layout.WGMMA)
-                store(zeros, lo, hi, wg_row0, col0)
+                store(zeros, lo, hi, wg_row0, col0, split)
 
         plgpu.wait_smem_to_gmem(0)
 
@@ -229,14 +266,17 @@ def _run_kernel(x, w, group_sizes, out_dtype, cfg: GroupedGemmConfig, interpret:
     # with zeros (a copy of the operands), which adds nothing to the products. M is padded only up to
     # one row tile; partial tiles at the end read past M (TMA fills zeros) and store only valid rows.
     kp, np_, mp = round_up(k, _BK), round_up(n, cfg.tile_n), max(m, cfg.tile_m)
+    if (kp // _BK) % cfg.k_splits:
+        raise ValueError(f"k_splits={cfg.k_splits} does not divide K={kp} into whole {_BK}-wide steps")
     xp = pad_axis(pad_axis(x, 1, kp), 0, mp)
     wp = pad_axis(pad_axis(w, 2, kp), 1, np_)
     meta, _ = tile_metadata(group_sizes, mp, cfg.tile_m)  # padding rows belong to the zero tail
     counts = tile_counts(meta, w.shape[0])
-    body = functools.partial(_kernel_body, cfg=cfg, n_tiles=np_ // cfg.tile_n, k_steps=kp // _BK)
+    body = functools.partial(_kernel_body, cfg=cfg, n_tiles=np_ // cfg.tile_n,
+                             k_steps=kp // _BK // cfg.k_splits)
     kernel = plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct((mp, np_), out_dtype),
+        out_type=jax.ShapeDtypeStruct((cfg.k_splits, mp, np_), cfg.kernel_out_dtype(out_dtype)),
         grid=(2 if interpret else num_sms(),),
         grid_names=("sm",),
         num_threads=_NUM_COMPUTE_WGS + 1,
@@ -244,7 +284,9 @@ def _run_kernel(x, w, group_sizes, out_dtype, cfg: GroupedGemmConfig, interpret:
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
-    return kernel(counts, meta, xp, wp)[:m, :n]
+    planes = kernel(counts, meta, xp, wp)
+    out = planes[0] if cfg.k_splits == 1 else jnp.sum(planes, axis=0).astype(out_dtype)
+    return out[:m, :n]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
@@ -285,7 +327,8 @@ def grouped_gemm(
       group_sizes: ``[G]`` int rows per group; rows at or past the sum come back as zeros.
       out_dtype: output dtype (default: x's).
       config: tiling; by default picked from the average rows per group.
-      interpret: run in Pallas GPU interpret mode; by default when the backend is not a GPU.
+      interpret: run in Pallas GPU interpret mode; None: when the backend is not a GPU
+        (``pallas_kernels.interpret``).
 
     Returns:
       ``[M, N]`` in ``out_dtype``.
@@ -295,10 +338,8 @@ def grouped_gemm(
     m, n = x.shape[0], w.shape[1]
     if m == 0 or n == 0:
         return jnp.zeros((m, n), out_dtype)
-    cfg = config or default_config(m, w.shape[0])
-    if interpret is None:
-        interpret = jax.default_backend() != "gpu"
-    return _grouped_gemm(x, w, group_sizes.astype(jnp.int32), out_dtype, cfg, interpret)
+    cfg = config or default_config(m, w.shape[0], x.shape[1])
+    return _grouped_gemm(x, w, group_sizes.astype(jnp.int32), out_dtype, cfg, resolve_interpret(interpret))
 
 
 def _reference_row_tile(num_rows: int, num_groups: int) -> int:

@@ -21,6 +21,7 @@ from pallas_kernels.group_tiles import tile_counts, tile_metadata
 from pallas_kernels.grouped_gemm import (
     DECODE_CONFIG,
     PREFILL_CONFIG,
+    SMALL_M_CONFIG,
     GroupedGemmConfig,
     default_config,
     grouped_gemm,
@@ -67,6 +68,9 @@ def _assert_close(out, want, rtol=1e-5):
         # one group holding every row; warpgroups stacked along M; tile pipelines chained over 3 tiles
         (GroupedGemmConfig(wg_m=64, wg_n=64, wg_split="m", max_concurrent_steps=2), (300, 128, 64),
          [0, 300, 0]),
+        # split-K: four K slices summed from fp32 partial planes; a zero tail in every plane
+        (GroupedGemmConfig(wg_m=64, wg_n=64, wg_split="n", max_concurrent_steps=2, k_splits=4),
+         (70, 512, 128), [3, 0, 1, 40, 0, 9]),
     ],
 )
 def test_kernel_matches_loop_over_groups(config, shape, sizes):
@@ -123,10 +127,21 @@ def test_configs_fit_shared_memory_and_default_choice():
         assert cfg.smem_bytes(jnp.bfloat16) <= 227 * 1024
     assert default_config(65536, 256) == PREFILL_CONFIG
     assert default_config(512, 256) == DECODE_CONFIG
+    assert default_config(64, 256) == SMALL_M_CONFIG
+    assert SMALL_M_CONFIG.smem_bytes(jnp.float32) <= 227 * 1024
+    with pytest.raises(ValueError, match="k_splits"):
+        GroupedGemmConfig(k_splits=0)
+
+
+def test_split_k_that_does_not_divide_k_is_refused():
+    x, w = _inputs(8, 192, 64, 2)  # three 64-wide K steps
+    with pytest.raises(ValueError, match="does not divide"):
+        grouped_gemm(x, w, jnp.array([4, 4], jnp.int32), config=GroupedGemmConfig(k_splits=2), interpret=True)
 
 
 @pytest.mark.parametrize("config,m,k,n", [(PREFILL_CONFIG, 65536, 7168, 4096),
-                                          (DECODE_CONFIG, 512, 2048, 7168)])
+                                          (DECODE_CONFIG, 512, 2048, 7168),
+                                          (SMALL_M_CONFIG, 64, 7168, 4096)])
 def test_kernel_lowers_for_hopper_at_deepseek_shapes(config, m, k, n):
     """Ahead-of-time lowering for CUDA needs no GPU and runs Mosaic GPU's own layout inference, dialect
     lowering and 227 KiB shared-memory check: the kernel's Hopper program is well formed (only the PTX
