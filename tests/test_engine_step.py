@@ -197,7 +197,7 @@ def test_non_finite_logits_stop_only_that_request(params):
 
 
 def test_cache_layout_has_one_owner():
-    from pallas_kernels.mla_decode import PAGE_SIZE
+    from pallas_kernels.mla_common import PAGE_SIZE
 
     assert kv_cache.PAGE_SIZE == PAGE_SIZE  # the kernel keeps its own copy (no dsv3_jax import)
     v3 = ModelConfig.preset("deepseek-v3")
