@@ -133,26 +133,21 @@ def mla_attention(q_latent: jax.Array, q_rope: jax.Array, kv_pages: jax.Array, b
     q_latent [B, T, H, R], q_rope [B, T, H, r], kv_pages [P, page, R + r]; token t of row b sits at
     start_pos[b] + t (its latent already in the pages); rows t >= chunk_lens[b] are padding.
     Returns (out [B, T, H, R] before W_uv, lse [B, T, H]). The Pallas kernel needs DeepSeek's widths
-    (512 + 64), its page size (`mla_decode.PAGE_SIZE`, = cache.PAGE_SIZE) and bf16; other shapes
+    (512 + 64), its page size (`mla_common.PAGE_SIZE`, = cache.PAGE_SIZE) and bf16; other shapes
     use the reference (logged once). A ragged token batch calls this with one token per row (T = 1).
+    `mla_prefill.mla_chunk_attention` owns the routing and the casts around kernel and reference.
     """
-    from pallas_kernels import mla_reference
-    from pallas_kernels.mla_decode import PAGE_SIZE as KERNEL_PAGE
+    from pallas_kernels.mla_common import kernel_shape_error
+    from pallas_kernels.mla_prefill import mla_chunk_attention
 
-    fits = (q_latent.shape[-1] == mla_reference.LATENT_DIM and q_rope.shape[-1] == mla_reference.ROPE_DIM
-            and kv_pages.shape[1] == KERNEL_PAGE and kv_pages.dtype == jnp.bfloat16)
-    if backend() == "pallas":
-        if fits:
-            from pallas_kernels.mla_prefill import mla_prefill
-
-            # Off the GPU (forced "pallas" in tests) the kernel runs in Pallas' GPU interpreter.
-            return mla_prefill(q_latent.astype(kv_pages.dtype), q_rope.astype(kv_pages.dtype), kv_pages,
-                               block_table, start_pos, chunk_lens, softmax_scale=softmax_scale,
-                               interpret=jax.default_backend() != "gpu")
+    fits = (kernel_shape_error(q_latent.shape[-1], q_rope.shape[-1], kv_pages.shape) is None
+            and kv_pages.dtype == jnp.bfloat16)
+    pallas = backend() == "pallas"
+    if pallas and not fits:
         _log_mla_shape_fallback(tuple(q_latent.shape[-1:]), str(kv_pages.dtype))
-    return mla_reference.mla_prefill_reference(q_latent, q_rope.astype(q_latent.dtype),
-                                               kv_pages.astype(q_latent.dtype), block_table, start_pos,
-                                               chunk_lens, softmax_scale=softmax_scale)
+    # Off the GPU (forced "pallas" in tests) the kernel runs in Pallas' GPU interpreter (interpret=None).
+    return mla_chunk_attention(q_latent, q_rope, kv_pages, block_table, start_pos, chunk_lens,
+                               softmax_scale=softmax_scale, use_kernel=pallas and fits)
 
 
 @functools.cache

@@ -1,11 +1,13 @@
 """Pallas Mosaic GPU kernel: absorbed MLA attention over a paged latent cache (decode, MTP verify).
 
-Owns `mla_decode` and the paged-attention kernel core that `mla_prefill.py` reuses. Semantics are
-those of `mla_reference.py` (read its docstring for the cache layout).
+Owns `mla_decode` and the paged-attention kernel core that `mla_prefill.py` reuses, with the XLA ops
+around it (`query_tiles` before, `merge_splits` after). Semantics are those of `mla_reference.py` (read
+its docstring for the cache layout); widths, page size and argument checks come from `mla_common.py`.
+`interpret=None` follows `pallas_kernels.interpret.resolve_interpret` (the interpreter off a GPU).
 
 Kernel design (Hopper, one CTA = three warpgroups):
 - Rows are (query token, head) pairs, row = j * H + h, tiled by 64 (one wgmma M). The 64x576 query tile
-  (latent ++ rope, concatenated outside the kernel) sits in shared memory for the whole CTA.
+  (latent ++ rope, laid out by `query_tiles`, one fused XLA op) sits in shared memory for the whole CTA.
 - Warpgroup 2 is the producer: it TMA-loads one 64-token page [64, 576] per step into a two-slot ring,
   reading the physical page id from `block_table` in global memory.
 - Warpgroups 0 and 1 are consumers sharing the 64-row tile: each computes the full score tile
@@ -13,7 +15,9 @@ Kernel design (Hopper, one CTA = three warpgroups):
   O = P V where V is the first 512 columns of the same page (so the cache is read once). A 64x512
   fp32 accumulator would need 256 registers per thread; two halves of 128 fit.
 - Split-KV: the grid is (batch, row tile, split); split s takes an equal share of the tile's pages.
-  Partial outputs and their log-sum-exp are merged with a small `jnp` combine.
+  Partial outputs and their log-sum-exp are merged by `merge_splits`, one XLA reduction (a variadic
+  reduce whose reducer is the log-sum-exp merge of two partials) instead of a chain of small ops, so at
+  batch 1-8 the kernel is flanked by one small op on each side (plus XLA's final bf16 cast).
 - Causality and raggedness are a per-row limit: row (j, h) attends to positions
   < min(q_start + 1 + j, kv_len); each tile only visits pages below its last row's limit.
 
@@ -34,10 +38,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.mla_reference import KV_DIM, LATENT_DIM, ROPE_DIM, _as_4d, check_cache_args
+from pallas_kernels.interpret import resolve_interpret
+from pallas_kernels.mla_common import KV_DIM, LATENT_DIM, PAGE_SIZE, as_4d, check_kernel_args
 
 BLOCK_ROWS = 64  # rows (token, head) per tile: one wgmma M
-PAGE_SIZE = 64  # tokens per cache page = KV block per pipeline step
 HALF = LATENT_DIM // 2  # output columns per consumer warpgroup
 NUM_SLOTS = 2  # pipeline depth: 72 KiB Q + 2 x 72 KiB pages fills the 227 KiB of shared memory
 DEFAULT_NUM_SMS = 132  # H100/H200 SXM
@@ -162,16 +166,60 @@ def _kernel(
     pl.when(wg == 1)(functools.partial(consumer, 1))
 
 
-def _combine(out_parts: jax.Array, lse_parts: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
-    """Merge split-KV partials [B, S, R, 512] / [B, S, R] with their log-sum-exp."""
-    lse_max = jnp.max(lse_parts, axis=1, keepdims=True)
-    lse_max = jnp.where(jnp.isfinite(lse_max), lse_max, 0.0)
-    w = jnp.exp(lse_parts - lse_max)  # [B, S, R]; 0 for empty splits
-    total = jnp.sum(w, axis=1)
-    lse = jnp.where(total > 0, jnp.log(total) + lse_max[:, 0], -jnp.inf)
-    out = jnp.einsum("bsr,bsrc->brc", w, out_parts.astype(jnp.float32))
-    out = out / jnp.where(total > 0, total, 1.0)[..., None]
-    return out.astype(dtype), lse
+def query_tiles(q_latent: jax.Array, q_rope: jax.Array) -> jax.Array:
+    """[B, Q, H, 512] ++ [B, Q, H, 64] -> [B, R_pad, 576] rows (token, head), zero rows up to a multiple
+    of BLOCK_ROWS. Written as two pads and a select so XLA makes it one fusion (a concatenate and a
+    pad are two ops at small batch)."""
+    bsz, nq, nh, _ = q_latent.shape
+    rows = nq * nh
+    pad_rows = pl.cdiv(rows, BLOCK_ROWS) * BLOCK_ROWS - rows
+    zero = jnp.zeros((), q_latent.dtype)
+    lat = lax.pad(q_latent.reshape(bsz, rows, LATENT_DIM), zero,
+                  ((0, 0, 0), (0, pad_rows, 0), (0, KV_DIM - LATENT_DIM, 0)))
+    rope = lax.pad(q_rope.reshape(bsz, rows, KV_DIM - LATENT_DIM).astype(q_latent.dtype), zero,
+                   ((0, 0, 0), (0, pad_rows, 0), (LATENT_DIM, 0, 0)))
+    col = lax.broadcasted_iota(jnp.int32, lat.shape, 2)
+    return jnp.where(col < LATENT_DIM, lat, rope)
+
+
+Partial = tuple[jax.Array, jax.Array]  # (lse, out) of one split, out normalized by its own sum
+
+
+def _merge_pair(a: Partial, b: Partial) -> Partial:
+    """Log-sum-exp merge of two normalized partials (lse, out); (-inf, 0) is the identity and two empty
+    partials give (-inf, 0), not NaN. Associative, so XLA may reduce the splits in any order."""
+    (xa, oa), (xb, ob) = a, b
+    m = jnp.maximum(xa, xb)
+    m = jnp.where(m == -jnp.inf, 0.0, m)
+    wa, wb = jnp.exp(xa - m), jnp.exp(xb - m)
+    total = wa + wb
+    safe = jnp.where(total > 0, total, 1.0)
+    return jnp.where(total > 0, m + jnp.log(safe), -jnp.inf), (oa * wa + ob * wb) / safe
+
+
+def merge_splits(out_parts: jax.Array, lse_parts: jax.Array, num_queries: int, num_heads: int,
+                 valid_queries: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """Kernel partials out [B, S, R_pad, 512] / lse [B, S, R_pad] -> out [B, Q, H, 512] (partials' dtype)
+    and lse [B, Q, H] float32: drops the padding rows, merges the S splits in fp32 and, when
+    `valid_queries` [B] is given, zeroes (lse -inf) queries j >= valid_queries[b] (a chunk's padding).
+
+    One XLA reduction: a variadic reduce over S of (lse broadcast over the 512 columns, out) whose
+    reducer is `_merge_pair`; slicing, masking and the fp32 cast fuse into it as its inputs. The
+    reducer repeats exp/log per column, which costs nothing next to the launch it saves."""
+    bsz, ns = out_parts.shape[:2]
+    rows = num_queries * num_heads
+    out = out_parts[:, :, :rows].reshape(bsz, ns, num_queries, num_heads, LATENT_DIM)
+    lse = lse_parts[:, :, :rows].reshape(bsz, ns, num_queries, num_heads)
+    if valid_queries is not None:
+        valid = jnp.arange(num_queries)[None, :] < valid_queries[:, None]  # [B, Q]
+        lse = jnp.where(valid[:, None, :, None], lse, -jnp.inf)
+        out = jnp.where(valid[:, None, :, None, None], out, jnp.zeros((), out.dtype))
+    if ns == 1:
+        return out[:, 0], lse[:, 0]
+    out = out.astype(jnp.float32)
+    lse_b = jnp.broadcast_to(lse[..., None], out.shape)
+    lse_m, out_m = lax.reduce((lse_b, out), (jnp.float32(-jnp.inf), jnp.float32(0.0)), _merge_pair, (1,))
+    return out_m.astype(out_parts.dtype), lse_m[..., 0]
 
 
 def paged_mla_partials(
@@ -184,28 +232,17 @@ def paged_mla_partials(
     *,
     softmax_scale: float,
     num_splits: int | None = None,
-    interpret: bool = False,
+    interpret: bool | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Runs the kernel; returns the raw split partials out [B, S, R_pad, 512] and lse [B, S, R_pad] with
     rows R = Q * H padded to a multiple of 64 (every element is written, padding rows included)."""
+    interpret = resolve_interpret(interpret)
     bsz, nq, nh, _ = q_latent.shape
-    check_cache_args(kv_pages, block_table, bsz)
-    if q_latent.shape[-1] != LATENT_DIM or q_rope.shape[-1] != ROPE_DIM or kv_pages.shape[-1] != KV_DIM:
-        raise ValueError(f"the Pallas kernel needs q_latent/q_rope/kv_pages widths {LATENT_DIM}/{ROPE_DIM}/"
-                         f"{KV_DIM}, got {q_latent.shape}, {q_rope.shape}, {kv_pages.shape}")
-    if kv_pages.shape[1] != PAGE_SIZE:
-        raise ValueError(f"the Pallas kernel needs page_size {PAGE_SIZE}, got kv_pages {kv_pages.shape}")
-    if q_latent.dtype not in (jnp.bfloat16, jnp.float16) or kv_pages.dtype != q_latent.dtype:
-        raise ValueError(
-            f"q_latent, q_rope and kv_pages must share a 16-bit float dtype, got {q_latent.dtype}, "
-            f"{q_rope.dtype}, {kv_pages.dtype}"
-        )
-    rows = nq * nh
-    row_tiles = pl.cdiv(rows, BLOCK_ROWS)
+    check_kernel_args(q_latent, q_rope, kv_pages, block_table)
+    row_tiles = pl.cdiv(nq * nh, BLOCK_ROWS)
     if num_splits is None:
         num_splits = choose_num_splits(bsz, row_tiles, block_table.shape[1])
-    q = jnp.concatenate([q_latent, q_rope.astype(q_latent.dtype)], axis=-1).reshape(bsz, rows, KV_DIM)
-    q = jnp.pad(q, ((0, 0), (0, row_tiles * BLOCK_ROWS - rows), (0, 0)))
+    q = query_tiles(q_latent, q_rope)
 
     tiling = plgpu.TilingTransform((8, 64))
     swizzle = plgpu.SwizzleTransform(128)
@@ -264,24 +301,18 @@ def paged_mla_attention(
     *,
     softmax_scale: float,
     num_splits: int | None = None,
-    interpret: bool = False,
+    interpret: bool | None = None,
+    valid_queries: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Kernel core shared by decode and prefill; q_* are [B, Q, H, D]; semantics of
-    `mla_reference.paged_attention_reference`. Returns out [B, Q, H, 512] and lse [B, Q, H]."""
-    bsz, nq, nh, _ = q_latent.shape
-    rows = nq * nh
+    `mla_reference.paged_attention_reference`. Returns out [B, Q, H, 512] and lse [B, Q, H].
+    `valid_queries` [B]: queries j >= valid_queries[b] are padding (out 0, lse -inf; see `merge_splits`)."""
+    _, nq, nh, _ = q_latent.shape
     out_parts, lse_parts = paged_mla_partials(
         q_latent, q_rope, kv_pages, block_table, q_start, kv_len,
         softmax_scale=softmax_scale, num_splits=num_splits, interpret=interpret,
     )
-    dtype = out_parts.dtype
-    if out_parts.shape[1] == 1:
-        out, lse = out_parts[:, 0], lse_parts[:, 0]
-    else:
-        out, lse = _combine(out_parts, lse_parts, dtype)
-    out = out[:, :rows].reshape(bsz, nq, nh, LATENT_DIM)
-    lse = lse[:, :rows].reshape(bsz, nq, nh)
-    return out, lse
+    return merge_splits(out_parts, lse_parts, nq, nh, valid_queries)
 
 
 @functools.partial(jax.jit, static_argnames=("softmax_scale", "num_splits", "interpret"))
@@ -293,7 +324,7 @@ def mla_decode(
     seq_lens: jax.Array,
     *,
     softmax_scale: float,
-    interpret: bool = False,
+    interpret: bool | None = None,
     num_splits: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Absorbed MLA decode over a paged latent cache (Pallas Mosaic GPU).
@@ -302,10 +333,11 @@ def mla_decode(
     newest tokens, causal among themselves), q_rope [..., 64], kv_pages [num_pages, 64, 576],
     block_table [B, max_pages] int32, seq_lens [B] int32 (>= Q, counting the Q new tokens).
     Returns out shaped like q_latent in q's dtype and lse [B, (Q,) H] float32 (natural log).
-    `num_splits` overrides the split-KV heuristic; `interpret=True` runs the GPU interpreter on CPU.
+    `num_splits` overrides the split-KV heuristic; `interpret=True` runs Pallas' GPU interpreter,
+    `None` (default) does so whenever the default backend is not a GPU.
     With splits > 1 the partial outputs are kept in q's dtype before the fp32 combine.
     """
-    q_latent, q_rope, squeeze = _as_4d(q_latent, q_rope)
+    q_latent, q_rope, squeeze = as_4d(q_latent, q_rope)
     seq_lens = seq_lens.astype(jnp.int32)
     out, lse = paged_mla_attention(
         q_latent, q_rope, kv_pages, block_table, seq_lens - q_latent.shape[1], seq_lens,

@@ -9,6 +9,8 @@ sequence's logical page `i` (positions `i*page_size ... (i+1)*page_size - 1`) to
 Scores are `q_latent . c + q_rope . k_rope`, values are `c`; the output is the attention-weighted latent
 (before W_uv) and `lse` is the natural-log log-sum-exp of the scaled scores.
 
+The widths, page size, argument checks and the padding-row rule live in `mla_common.py`.
+
 Cache slots past a sequence's length may hold any *finite* value: they are masked out of the softmax,
 but a NaN there would still reach the output through `0 * NaN`.
 """
@@ -16,33 +18,7 @@ but a NaN there would still reach the output through `0 * NaN`.
 import jax
 import jax.numpy as jnp
 
-LATENT_DIM = 512
-ROPE_DIM = 64
-KV_DIM = LATENT_DIM + ROPE_DIM
-
-
-def _as_4d(q_latent: jax.Array, q_rope: jax.Array) -> tuple[jax.Array, jax.Array, bool]:
-    """[B, H, D] -> [B, 1, H, D]; returns whether the input was 3-D."""
-    if q_latent.ndim != q_rope.ndim or q_latent.ndim not in (3, 4):
-        raise ValueError(
-            f"q_latent/q_rope must both be [B, H, D] or [B, Q, H, D], got {q_latent.shape} and {q_rope.shape}"
-        )
-    squeeze = q_latent.ndim == 3
-    if squeeze:
-        q_latent, q_rope = q_latent[:, None], q_rope[:, None]
-    if q_rope.shape[-1] >= q_latent.shape[-1]:
-        raise ValueError(f"q_rope ({q_rope.shape[-1]}) must be narrower than q_latent ({q_latent.shape[-1]})")
-    if q_latent.shape[:-1] != q_rope.shape[:-1]:
-        raise ValueError(f"q_latent {q_latent.shape} and q_rope {q_rope.shape} disagree before the last dim")
-    return q_latent, q_rope, squeeze
-
-
-def check_cache_args(kv_pages: jax.Array, block_table: jax.Array, batch: int) -> None:
-    """Shape checks shared by references and kernels."""
-    if kv_pages.ndim != 3:
-        raise ValueError(f"kv_pages must be [num_pages, page_size, latent + rope], got {kv_pages.shape}")
-    if block_table.ndim != 2 or block_table.shape[0] != batch:
-        raise ValueError(f"block_table must be [B={batch}, max_pages], got {block_table.shape}")
+from pallas_kernels.mla_common import as_4d, check_cache_args, check_chunk_query, mask_padding_rows
 
 
 def paged_attention_reference(
@@ -90,7 +66,7 @@ def mla_decode_reference(
     seq_lens: jax.Array,
     *,
     softmax_scale: float,
-    interpret: bool = False,
+    interpret: bool | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Absorbed MLA decode: the Q newest tokens of each sequence (already in the cache) attend causally.
 
@@ -100,7 +76,7 @@ def mla_decode_reference(
     float32. `interpret` exists only to share the kernel's signature and is ignored.
     """
     del interpret
-    q_latent, q_rope, squeeze = _as_4d(q_latent, q_rope)
+    q_latent, q_rope, squeeze = as_4d(q_latent, q_rope)
     check_cache_args(kv_pages, block_table, q_latent.shape[0])
     seq_lens = seq_lens.astype(jnp.int32)
     out, lse = paged_attention_reference(
@@ -121,7 +97,7 @@ def mla_prefill_reference(
     chunk_lens: jax.Array,
     *,
     softmax_scale: float,
-    interpret: bool = False,
+    interpret: bool | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Absorbed MLA chunked prefill: a chunk of T new tokens whose latents are already in the pages.
 
@@ -131,9 +107,8 @@ def mla_prefill_reference(
     Returns out [B, T, H, 512] (q's dtype) and lse [B, T, H] float32. `interpret` is ignored.
     """
     del interpret
-    if q_latent.ndim != 4:
-        raise ValueError(f"q_latent must be [B, T, H, {LATENT_DIM}], got {q_latent.shape}")
-    q_latent, q_rope, _ = _as_4d(q_latent, q_rope)
+    check_chunk_query(q_latent)
+    q_latent, q_rope, _ = as_4d(q_latent, q_rope)
     check_cache_args(kv_pages, block_table, q_latent.shape[0])
     start_pos = start_pos.astype(jnp.int32)
     chunk_lens = chunk_lens.astype(jnp.int32)
@@ -143,10 +118,3 @@ def mla_prefill_reference(
     )
     return mask_padding_rows(out, lse, chunk_lens)
 
-
-def mask_padding_rows(out: jax.Array, lse: jax.Array, chunk_lens: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Zero out / -inf the rows t >= chunk_lens[b] of [B, T, H, ...] results."""
-    valid = jnp.arange(out.shape[1])[None, :] < chunk_lens[:, None]  # [B, T]
-    out = jnp.where(valid[:, :, None, None], out, jnp.zeros((), out.dtype))
-    lse = jnp.where(valid[:, :, None], lse, -jnp.inf)
-    return out, lse

@@ -12,16 +12,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels.mla_common import KV_DIM, PAGE_SIZE
 from pallas_kernels.mla_decode import mla_decode, paged_mla_partials
 from pallas_kernels.mla_prefill import mla_prefill
 from pallas_kernels.mla_reference import (
-    KV_DIM,
     mla_decode_reference,
     mla_prefill_reference,
     paged_attention_reference,
 )
 
-PAGE = 64
+PAGE = PAGE_SIZE
 SCALE = 192**-0.5
 
 
