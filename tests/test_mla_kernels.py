@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from pallas_kernels.mla_common import KV_DIM, PAGE_SIZE
-from pallas_kernels.mla_decode import mla_decode, paged_mla_partials
-from pallas_kernels.mla_prefill import mla_prefill
+from pallas_kernels.mla_decode import merge_splits, mla_decode, paged_mla_partials
+from pallas_kernels.mla_prefill import mla_chunk_attention, mla_prefill
 from pallas_kernels.mla_reference import (
     mla_decode_reference,
     mla_prefill_reference,
@@ -235,3 +235,99 @@ def test_package_level_names_are_the_kernels():
     ref_out, ref_lse = pallas_kernels.mla_decode_reference(
         *_f32(ql, qr), jnp.nan_to_num(kv.astype(jnp.float32)), table, seq, softmax_scale=SCALE)
     _assert_close(out, lse, ref_out, ref_lse)
+
+
+# ------------------------------------------------------------------------------ hygiene and routing
+
+
+def test_decode_interpret_none_runs_on_cpu():
+    """One interpret policy: interpret=None means the interpreter off a GPU, so a plain call runs here."""
+    if jax.default_backend() == "gpu":
+        pytest.skip("on a GPU interpret=None compiles the kernel (the GPU tests cover that)")
+    rng = np.random.default_rng(21)
+    lens = [3, 70]
+    kv, table = _make_cache(rng, lens)
+    ql, qr = _queries(rng, (2, 16))
+    seq = jnp.asarray(lens, jnp.int32)
+    out, lse = mla_decode(ql, qr, kv, table, seq, softmax_scale=SCALE)  # no interpret argument
+    ref_out, ref_lse = mla_decode_reference(*_f32(ql, qr), jnp.nan_to_num(kv.astype(jnp.float32)), table, seq,
+                                            softmax_scale=SCALE)
+    _assert_close(out, lse, ref_out, ref_lse)
+
+
+def test_merge_splits_is_the_log_sum_exp_merge():
+    """The one-reduce split merge against a numpy merge, with empty splits, fully empty rows and padding
+    queries (valid_queries)."""
+    rng = np.random.default_rng(4)
+    b, s, nq, nh = 2, 5, 3, 8
+    out_p = rng.standard_normal((b, s, 64, 512)).astype(np.float32)
+    lse_p = 3 * rng.standard_normal((b, s, 64)).astype(np.float32)
+    lse_p[0, 2:] = -np.inf  # empty splits
+    lse_p[1, :, :nh] = -np.inf  # query 0 of sequence 1 sees nothing at all
+    out_p[lse_p == -np.inf] = 0.0  # what the kernel writes for an empty split
+    valid = np.asarray([3, 2], np.int32)
+    out, lse = merge_splits(jnp.asarray(out_p), jnp.asarray(lse_p), nq, nh, jnp.asarray(valid))
+    rows = nq * nh
+    m = lse_p[:, :, :rows].max(axis=1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0)
+    w = np.exp(lse_p[:, :, :rows] - m)
+    tot = w.sum(axis=1)
+    with np.errstate(divide="ignore"):
+        want_lse = np.where(tot > 0, np.log(tot) + m[:, 0], -np.inf).reshape(b, nq, nh)
+    want_out = (np.einsum("bsr,bsrc->brc", w, out_p[:, :, :rows]) / np.where(tot > 0, tot, 1.0)[..., None])
+    want_out = want_out.reshape(b, nq, nh, 512)
+    want_out[1, 2:], want_lse[1, 2:] = 0.0, -np.inf  # padding queries of sequence 1
+    assert out.shape == (b, nq, nh, 512) and lse.shape == (b, nq, nh) and out.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(lse), want_lse, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(out), want_out, rtol=1e-4, atol=1e-5)
+    assert np.all(np.asarray(lse)[1, 0] == -np.inf) and np.all(np.asarray(out)[1, 0] == 0)
+
+
+def test_chunk_adaptor_and_model_dispatch_route_to_kernel_and_reference(caplog):
+    """`mla_chunk_attention` gives kernel and reference the same arguments; `dsv3_jax.kernels.mla_attention`
+    routes through it (forced "pallas" runs the kernel here in the interpreter) and still falls back to the
+    reference, logged, for shapes the kernel cannot take."""
+    import logging
+
+    from dsv3_jax import kernels
+
+    rng = np.random.default_rng(13)
+    kv, table = _make_cache(rng, [40, 90], poison_unused=False)
+    ql, qr = _queries(rng, (2, 1, 16), jnp.float32)  # a decode step: T = 1 at start_pos = len - 1
+    sp, cl = jnp.asarray([39, 89], jnp.int32), jnp.ones((2,), jnp.int32)
+    args = (ql, qr, kv, table, sp, cl)
+    out_k, lse_k = mla_chunk_attention(*args, softmax_scale=SCALE, use_kernel=True)
+    out_r, lse_r = mla_chunk_attention(*args, softmax_scale=SCALE, use_kernel=False)
+    assert out_k.dtype == kv.dtype and out_r.dtype == jnp.float32  # kernel in the cache's dtype
+    _assert_close(out_k, lse_k, out_r, lse_r)
+    with kernels.force("pallas"):
+        out_m, lse_m = kernels.mla_attention(*args, softmax_scale=SCALE)
+    np.testing.assert_array_equal(np.asarray(out_m, np.float32), np.asarray(out_k, np.float32))
+    small = (ql[..., :32], qr[..., :8], kv[..., :40], table, sp, cl)  # a tiny model's widths
+    kernels._log_mla_shape_fallback.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="dsv3_jax.kernels"), kernels.force("pallas"):
+        out_s, _ = kernels.mla_attention(*small, softmax_scale=SCALE)
+    assert "MLA kernel needs" in caplog.text
+    ref_s, _ = mla_chunk_attention(*small, softmax_scale=SCALE, use_kernel=False)
+    np.testing.assert_array_equal(np.asarray(out_s), np.asarray(ref_s))
+
+
+def test_no_module_imports_a_private_name_from_another():
+    """Kernel hygiene: a `_name` of one module is its own; shared helpers live in a public place."""
+    import ast
+    from pathlib import Path
+
+    import pallas_kernels
+
+    bad = []
+    for path in sorted(Path(pallas_kernels.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                bad += [f"{path.name}: from {node.module} import {a.name}" for a in node.names
+                        if a.name.startswith("_") and not a.name.startswith("__")]
+            elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+                # module._private (e.g. `mla_reference._as_4d`); self/cls attributes are a class's own.
+                if node.attr.startswith("_") and not node.attr.startswith("__") and node.value.id not in (
+                        "self", "cls"):
+                    bad.append(f"{path.name}: {node.value.id}.{node.attr}")
+    assert not bad, bad
