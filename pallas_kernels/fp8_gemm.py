@@ -28,8 +28,18 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.fp8_quant import BLOCK, FP8_DTYPE, num_blocks, quantize_act
-from pallas_kernels.group_tiles import num_sms, pad_axis, round_up, store_rows
-from pallas_kernels.group_tiles import tile_metadata as _tile_metadata
+from pallas_kernels.group_tiles import (
+    GROUP,
+    HI,
+    LO,
+    ROW0,
+    num_sms,
+    pad_axis,
+    round_up,
+    store_rows,
+    tile_counts,
+    tile_metadata,
+)
 from pallas_kernels.interpret import resolve_interpret
 
 _WG_M = 64  # rows per compute warpgroup (wgmma's M)
@@ -46,16 +56,22 @@ class Fp8GemmConfig:
       64 rows (prefill, many rows per expert). ``"n"``: a 64x256 tile, each warpgroup 128 columns
       (decode: few rows per expert, so fewer wasted rows and more weight bytes per CTA).
     max_concurrent_steps: TMA pipeline depth (K blocks in flight).
+    k_splits: slices of K computed as separate work items into fp32 partial planes ``[k_splits, M, N]``,
+      summed in one XLA reduction after the kernel (1: no split). For few rows per step, where the
+      (row tile, column tile) items alone cannot keep every SM streaming weights.
     """
 
     wg_split: str = "m"
     max_concurrent_steps: int = 4
+    k_splits: int = 1
 
     def __post_init__(self):
         if self.wg_split not in ("m", "n"):
             raise ValueError(f"wg_split must be 'm' or 'n', got {self.wg_split!r}")
         if self.max_concurrent_steps < 1:
             raise ValueError(f"max_concurrent_steps must be >= 1, got {self.max_concurrent_steps}")
+        if self.k_splits < 1:
+            raise ValueError(f"k_splits must be >= 1, got {self.k_splits}")
 
     @property
     def tile_m(self) -> int:
@@ -68,14 +84,41 @@ class Fp8GemmConfig:
 
 PREFILL_CONFIG = Fp8GemmConfig(wg_split="m", max_concurrent_steps=4)
 DECODE_CONFIG = Fp8GemmConfig(wg_split="n", max_concurrent_steps=4)  # 6 stages exceed 227 KiB smem
+# At most this many rows per step (a decode batch of a few users x 8 experts) K is split.
+SMALL_M_ROWS = 128
+SMALL_M_CONFIG = Fp8GemmConfig(wg_split="n", max_concurrent_steps=4, k_splits=2)
 
 
-def default_config(num_rows: int, num_groups: int) -> Fp8GemmConfig:
-    """Pick the prefill tiling when groups average at least 64 rows, the decode tiling otherwise."""
-    return PREFILL_CONFIG if num_rows >= 64 * num_groups else DECODE_CONFIG
+def default_config(num_rows: int, num_groups: int, k: int | None = None) -> Fp8GemmConfig:
+    """Prefill tiling when groups average at least 64 rows; split-K decode tiling for at most
+    ``SMALL_M_ROWS`` rows (when ``k``, if given, splits into whole blocks); the decode tiling otherwise."""
+    if num_rows >= 64 * num_groups:
+        return PREFILL_CONFIG
+    if num_rows <= SMALL_M_ROWS and (k is None or num_blocks(k) % SMALL_M_CONFIG.k_splits == 0):
+        return SMALL_M_CONFIG
+    return DECODE_CONFIG
+
+
+def dense_config(num_rows: int, n: int, k: int) -> Fp8GemmConfig:
+    """Tiling of the dense GEMM (one group): the prefill tiling past ``SMALL_M_ROWS`` rows; below, the
+    decode tiling with K split until the (row tile, column tile) items cover every SM, using the smallest
+    split (at most 16, dividing the K blocks) that does, else the largest there is."""
+    if num_rows > SMALL_M_ROWS:
+        return PREFILL_CONFIG
+    items = -(-num_rows // DECODE_CONFIG.tile_m) * -(-n // DECODE_CONFIG.tile_n)
+    splits = [d for d in range(1, 17) if num_blocks(k) % d == 0]
+    enough = [d for d in splits if items * d >= num_sms()]
+    return dataclasses.replace(DECODE_CONFIG, k_splits=enough[0] if enough else splits[-1])
+
+
+def _epilogue_cols(dtype) -> int:
+    """Columns per epilogue store: a warpgroup's whole 128 for 2-byte outputs, 64 for fp32 partials
+    (keeps the split-K decode tiling inside shared memory)."""
+    return _WG_N if jnp.dtype(dtype).itemsize <= 2 else _WG_N // 2
 
 
 def _kernel_body(
+    counts_gmem,
     meta_gmem,
     ws_gmem,
     x_gmem,
@@ -84,13 +127,15 @@ def _kernel_body(
     out_gmem,
     *,
     cfg: Fp8GemmConfig,
-    num_experts: int,
-    num_slots: int,
     n_tiles: int,
     k_steps: int,
 ):
+    """``out_gmem`` is ``[k_splits, M, N]``; ``k_steps`` counts the 128-wide K blocks of one slice."""
     tm, tn = cfg.tile_m, cfg.tile_n
+    ks = cfg.k_splits
+    k_len = k_steps * _BK
     out_dtype = out_gmem.dtype
+    epi = _epilogue_cols(out_dtype)
     swizzle = 128  # 128 fp8 bytes per K row of a tile
     fp8_tf = (plgpu.TilingTransform((8, swizzle)), plgpu.SwizzleTransform(swizzle))
 
@@ -114,79 +159,88 @@ def _kernel_body(
 
     @functools.partial(
         pl.run_scoped,
-        allocs=make_pipeline(ignore, ignore).get_allocations(x_gmem, w_gmem.at[0], xs_gmem),
-        out_smem=plgpu.SMEM((_NUM_COMPUTE_WGS, _WG_M, _WG_N), out_dtype),
+        allocs=make_pipeline(ignore, ignore).get_allocations(
+            x_gmem.at[:, pl.ds(0, k_len)], w_gmem.at[0, :, pl.ds(0, k_len)], xs_gmem.at[pl.ds(0, k_steps)]),
+        out_smem=plgpu.SMEM((_NUM_COMPUTE_WGS, _WG_M, epi), out_dtype),
         collective_axes="wg",
     )
     def _scope(allocs, out_smem):
         wg = lax.axis_index("wg")
+        n_real = counts_gmem[0]
+        n_tail = counts_gmem[1]
 
-        @plgpu.nd_loop((num_slots * n_tiles,), collective_axes="sm")
-        def _work(info: plgpu.NDLoopInfo):
-            (lin,) = info.index
-            mi = lin // n_tiles
-            ni = lin % n_tiles
-            g = meta_gmem[0, mi]
-            row0 = pl.multiple_of(meta_gmem[1, mi], tm)  # tiles start on tile_m boundaries
-            lo = meta_gmem[2, mi]
-            hi = meta_gmem[3, mi]
+        def tile(lin):
+            """This warpgroup's view of work item ``lin`` (K slice fastest, then column, then row tile)."""
+            split, rest = lin % ks, lin // ks
+            mi, ni = rest // n_tiles, rest % n_tiles
+            row0 = pl.multiple_of(meta_gmem[ROW0, mi], tm)  # tiles start on tile_m boundaries
             if cfg.wg_split == "m":
                 wg_rows = pl.ds(pl.multiple_of(wg * _WG_M, _WG_M), _WG_M)
-                wg_row0 = row0 + wg * _WG_M
-                n_blk = ni
-                col0 = ni * tn
+                wg_row0, n_blk, col0 = row0 + wg * _WG_M, ni, ni * tn
             else:
                 wg_rows = pl.ds(0, _WG_M)
-                wg_row0 = row0
-                n_blk = ni * _NUM_COMPUTE_WGS + wg
-                col0 = ni * tn + wg * _WG_N
+                wg_row0, n_blk, col0 = row0, ni * _NUM_COMPUTE_WGS + wg, ni * tn + wg * _WG_N
+            return dict(g=meta_gmem[GROUP, mi], row0=row0, lo=meta_gmem[LO, mi], hi=meta_gmem[HI, mi], ni=ni,
+                        split=split, wg_rows=wg_rows, wg_row0=wg_row0, n_blk=n_blk, col0=col0)
 
-            def store(acc):
-                """Write this warpgroup's valid rows of the tile (a ladder of power-of-two TMA stores)."""
-                o_smem = out_smem.at[wg]
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # last tile's stores done reading
-                o_smem[...] = acc.astype(out_dtype)
+        def store(acc, t):
+            """Write this warpgroup's valid rows of the tile (a ladder of power-of-two TMA stores), in
+            ``epi``-column chunks through shared memory."""
+            o_smem = out_smem.at[wg]
+            r_lo = jnp.clip(t["lo"] - t["wg_row0"], 0, _WG_M)
+            size = jnp.clip(t["hi"] - t["wg_row0"], 0, _WG_M) - r_lo
+            for c in range(_WG_N // epi):
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last stores done reading
+                o_smem[...] = acc[:, c * epi:(c + 1) * epi].astype(out_dtype)
                 plgpu.commit_smem()
-                r_lo = jnp.clip(lo - wg_row0, 0, _WG_M)
-                size = jnp.clip(hi - wg_row0, 0, _WG_M) - r_lo
-                store_rows(o_smem, out_gmem, wg_row0, r_lo, size, col0, _WG_M)
+                store_rows(o_smem, out_gmem.at[t["split"]], t["wg_row0"], r_lo, size, t["col0"] + c * epi,
+                           _WG_M)
 
-            @pl.when((hi > lo) & (g < num_experts))
-            def _matmul():
-                def ctx(eval_pipeline):
-                    acc0 = plgpu.layout_cast(
-                        jnp.full((_WG_M, _WG_N), 0, dtype=jnp.float32), plgpu.Layout.WGMMA
-                    )
-                    store(eval_pipeline(acc0))
+        @plgpu.nd_loop((n_real * n_tiles * ks,), collective_axes="sm")
+        def _matmuls(info: plgpu.NDLoopInfo):
+            (lin,) = info.index
+            t = tile(lin)
+            g, wg_rows, kb0 = t["g"], t["wg_rows"], t["split"] * k_steps
 
-                def step(idxs, x_smem, w_smem, xs_smem, acc):
-                    (k,) = idxs
-                    if cfg.wg_split == "m":
-                        b = w_smem.transpose((1, 0))
-                    else:
-                        b = w_smem.at[pl.ds(pl.multiple_of(wg * _WG_N, _WG_N), _WG_N)].transpose((1, 0))
+            def ctx(eval_pipeline):
+                acc0 = plgpu.layout_cast(jnp.full((_WG_M, _WG_N), 0, dtype=jnp.float32), plgpu.Layout.WGMMA)
+                store(eval_pipeline(acc0), t)
 
-                    # Scales are loaded before the wgmma is issued so their latency hides behind it.
-                    x_scale = plgpu.load(xs_smem.at[0, wg_rows], layout=plgpu.Layout.WGMMA.reduce(1))
-                    scale = x_scale * ws_gmem[g, n_blk, k]
+            def step(idxs, x_smem, w_smem, xs_smem, acc):
+                (k,) = idxs
+                if cfg.wg_split == "m":
+                    b = w_smem.transpose((1, 0))
+                else:
+                    b = w_smem.at[pl.ds(pl.multiple_of(wg * _WG_N, _WG_N), _WG_N)].transpose((1, 0))
 
-                    def block_product(acc_ref):
-                        plgpu.wgmma(acc_ref, x_smem.at[wg_rows], b)
-                        return acc_ref[...]
+                # Scales are loaded before the wgmma is issued so their latency hides behind it.
+                x_scale = plgpu.load(xs_smem.at[0, wg_rows], layout=plgpu.Layout.WGMMA.reduce(1))
+                scale = x_scale * ws_gmem[g, t["n_blk"], kb0 + k]
 
-                    part = pl.run_scoped(block_product, plgpu.ACC((_WG_M, _WG_N), jnp.float32))
-                    return acc + part * lax.broadcast_in_dim(scale, (_WG_M, _WG_N), [0])
+                def block_product(acc_ref):
+                    plgpu.wgmma(acc_ref, x_smem.at[wg_rows], b)
+                    return acc_ref[...]
 
-                make_pipeline(step, ctx)(
-                    x_gmem.at[pl.ds(row0, tm), :],
-                    w_gmem.at[g, pl.ds(ni * tn, tn), :],
-                    xs_gmem.at[:, pl.ds(row0, tm)],
-                    allocations=allocs,
-                )
+                part = pl.run_scoped(block_product, plgpu.ACC((_WG_M, _WG_N), jnp.float32))
+                return acc + part * lax.broadcast_in_dim(scale, (_WG_M, _WG_N), [0])
 
-            @pl.when((hi > lo) & (g == num_experts) & (wg < _NUM_COMPUTE_WGS))
-            def _zero_tail():
-                store(plgpu.layout_cast(jnp.full((_WG_M, _WG_N), 0, dtype=jnp.float32), plgpu.Layout.WGMMA))
+            k0 = pl.multiple_of(kb0 * _BK, _BK)
+            make_pipeline(step, ctx)(
+                x_gmem.at[pl.ds(t["row0"], tm), pl.ds(k0, k_len)],
+                w_gmem.at[g, pl.ds(t["ni"] * tn, tn), pl.ds(k0, k_len)],
+                xs_gmem.at[pl.ds(kb0, k_steps), pl.ds(t["row0"], tm)],
+                allocations=allocs,
+            )
+
+        @plgpu.nd_loop((n_tail * n_tiles * ks,), collective_axes="sm")
+        def _zero_tail(info: plgpu.NDLoopInfo):
+            (lin,) = info.index
+            t = tile(lin + n_real * n_tiles * ks)
+
+            @pl.when(wg < _NUM_COMPUTE_WGS)
+            def _():
+                zeros = plgpu.layout_cast(jnp.full((_WG_M, _WG_N), 0, dtype=jnp.float32), plgpu.Layout.WGMMA)
+                store(zeros, t)
 
         plgpu.wait_smem_to_gmem(0)
 
@@ -243,7 +297,7 @@ def fp8_grouped_gemm(
     out_dtype = jnp.dtype(out_dtype)
     if m == 0:
         return jnp.zeros((0, n), out_dtype)
-    cfg = config or default_config(m, e)
+    cfg = config or default_config(m, e, k)
     interpret = resolve_interpret(interpret)
 
     # Pad only odd shapes (DeepSeek's are all multiples of 128): K to a whole scale block, N to a
@@ -256,22 +310,17 @@ def fp8_grouped_gemm(
     ws = pad_axis(w_scale.astype(jnp.float32), 1, np_ // _WG_N)
     # Scales transposed to [Kb, M] so one TMA copy brings a K block's scales for a whole row tile.
     xs = pad_axis(x_scale.astype(jnp.float32).T, 1, round_up(mp, cfg.tile_m))
-    meta, num_slots = _tile_metadata(group_sizes, mp, cfg.tile_m)
+    meta, _ = tile_metadata(group_sizes, mp, cfg.tile_m)
     # Padding rows (mp > m) belong to the zero tail: the group sizes still sum to at most m.
-
-    n_tiles = np_ // cfg.tile_n
-    k_steps = kp // _BK
-    body = functools.partial(
-        _kernel_body,
-        cfg=cfg,
-        num_experts=e,
-        num_slots=num_slots,
-        n_tiles=n_tiles,
-        k_steps=k_steps,
-    )
+    counts = tile_counts(meta, e)
+    if (kp // _BK) % cfg.k_splits:
+        raise ValueError(f"k_splits={cfg.k_splits} does not divide K={kp} into whole {_BK}-wide blocks")
+    kernel_dtype = jnp.dtype(jnp.float32) if cfg.k_splits > 1 else out_dtype
+    body = functools.partial(_kernel_body, cfg=cfg, n_tiles=np_ // cfg.tile_n,
+                             k_steps=kp // _BK // cfg.k_splits)
     kernel = plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct((mp, np_), out_dtype),
+        out_type=jax.ShapeDtypeStruct((cfg.k_splits, mp, np_), kernel_dtype),
         grid=(2 if interpret else num_sms(),),
         grid_names=("sm",),
         num_threads=_NUM_COMPUTE_WGS + 1,
@@ -279,8 +328,8 @@ def fp8_grouped_gemm(
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
-    out = kernel(meta, ws, x, xs, w)
-    return out[:m, :n]
+    planes = kernel(counts, meta, ws, x, xs, w)[:, :m, :n]  # sliced first: the sum reads only real rows
+    return planes[0] if cfg.k_splits == 1 else jnp.sum(planes, axis=0).astype(out_dtype)
 
 
 def fp8_gemm(
@@ -306,7 +355,7 @@ def fp8_gemm(
         w_scale[None],
         jnp.full((1,), m, jnp.int32),
         out_dtype=out_dtype,
-        config=config or PREFILL_CONFIG,
+        config=config or dense_config(m, w_fp8.shape[0], w_fp8.shape[1]),
         interpret=interpret,
     )
 

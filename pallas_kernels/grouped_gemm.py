@@ -284,9 +284,8 @@ def _run_kernel(x, w, group_sizes, out_dtype, cfg: GroupedGemmConfig, interpret:
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
-    planes = kernel(counts, meta, xp, wp)
-    out = planes[0] if cfg.k_splits == 1 else jnp.sum(planes, axis=0).astype(out_dtype)
-    return out[:m, :n]
+    planes = kernel(counts, meta, xp, wp)[:, :m, :n]  # sliced first: the sum reads only real rows
+    return planes[0] if cfg.k_splits == 1 else jnp.sum(planes, axis=0).astype(out_dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))

@@ -15,8 +15,10 @@ import pytest
 from pallas_kernels.fp8_gemm import (
     DECODE_CONFIG,
     PREFILL_CONFIG,
+    SMALL_M_CONFIG,
     Fp8GemmConfig,
-    _tile_metadata,
+    default_config,
+    dense_config,
     fp8_gemm,
     fp8_grouped_gemm,
     fp8_grouped_linear,
@@ -36,6 +38,7 @@ from pallas_kernels.fp8_reference import (
     fp8_grouped_linear_reference,
     fp8_linear_reference,
 )
+from pallas_kernels.group_tiles import tile_metadata
 
 
 def _rand(seed, shape, scale=1.0):
@@ -105,7 +108,7 @@ def test_dequantize_rejects_wrong_scale_shape():
 @pytest.mark.parametrize("tile_m", [64, 128])
 def test_tile_metadata_covers_every_row_once(sizes, tile_m):
     m = 300
-    meta, slots = _tile_metadata(jnp.array(sizes, jnp.int32), m, tile_m)
+    meta, slots = tile_metadata(jnp.array(sizes, jnp.int32), m, tile_m)
     g, row0, lo, hi = np.asarray(meta)
     assert meta.shape == (4, slots)
     covered = np.zeros(m, int)
@@ -145,6 +148,9 @@ def _assert_close(out, ref):
         (PREFILL_CONFIG, (200, 256, 256), [70, 0, 1, 100, 3]),
         # odd K and N (padded inside), leading empty groups, one group straddling two row tiles
         (DECODE_CONFIG, (90, 200, 200), [0, 0, 83, 0]),
+        # split-K (fp32 partial planes, 64-column epilogue chunks), a zero tail in every plane
+        (Fp8GemmConfig(wg_split="n", max_concurrent_steps=2, k_splits=4), (70, 512, 256),
+         [3, 0, 1, 40, 0, 9]),
     ],
 )
 def test_grouped_gemm_matches_reference(config, shape, sizes):
@@ -238,3 +244,32 @@ def test_grouped_gemm_deepseek_shapes_gpu(k, n, m, config):
     assert bool(jnp.all(jnp.isfinite(out.astype(jnp.float32))))
     experts = sorted({int(np.argmax(sizes)), int(np.argmin(sizes)), 0, 3, 100, e - 1})
     assert _sampled_rel_err(out, xq, xs, wq, ws, sizes, experts) <= 1e-2
+
+
+@pytest.mark.parametrize("config,m,k,n", [(PREFILL_CONFIG, 16384, 7168, 4096),
+                                          (DECODE_CONFIG, 512, 2048, 7168),
+                                          (SMALL_M_CONFIG, 64, 7168, 4096), (SMALL_M_CONFIG, 8, 2048, 7168)])
+def test_grouped_gemm_lowers_for_hopper_at_deepseek_shapes(config, m, k, n):
+    """Ahead-of-time lowering for CUDA (no GPU needed) runs Mosaic GPU's layout inference and its shared
+    memory check for each tiling, split-K included."""
+    x = jax.ShapeDtypeStruct((m, k), FP8_DTYPE)
+    xs = jax.ShapeDtypeStruct((m, k // 128), jnp.float32)
+    w = jax.ShapeDtypeStruct((256, n, k), FP8_DTYPE)
+    ws = jax.ShapeDtypeStruct((256, n // 128, k // 128), jnp.float32)
+    gs = jax.ShapeDtypeStruct((256,), jnp.int32)
+    f = jax.jit(lambda *a: fp8_grouped_gemm(*a, config=config, interpret=False))
+    assert "mosaic_gpu" in f.trace(x, xs, w, ws, gs).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_default_config_splits_k_only_for_few_rows():
+    assert default_config(65536, 256, 7168) == PREFILL_CONFIG
+    assert default_config(512, 256, 7168) == DECODE_CONFIG
+    assert default_config(64, 256, 7168) == SMALL_M_CONFIG
+    assert default_config(64, 256, 128) == DECODE_CONFIG  # one K block cannot be split
+
+
+def test_dense_config_splits_k_until_every_sm_has_work():
+    assert dense_config(4096, 7168, 7168) == PREFILL_CONFIG
+    one_row = dense_config(1, 1536, 7168)  # 6 column tiles, 56 K blocks: the largest split <= 16 is 14
+    assert one_row.wg_split == "n" and one_row.k_splits == 14
+    assert dense_config(64, 24576, 1536).k_splits == 2  # 96 tiles x 2 >= 132 SMs
