@@ -6,14 +6,18 @@ Owns the measurement only: for decode, B in {1, 8, 64, 128} x S in {1K, 4K, 16K,
 times the absorbed kernel against the absorbed and naive (qk 192 / v 128) XLA forms. Each figure is the
 median (min/max too) of `--reps` timings of `--inner` back-to-back calls. Before timing, every kernel
 result is checked for NaN and against the fp32 reference (relative Frobenius error) where that
-reference is affordable. Prints a table and writes JSON.
+reference is affordable. `--merge-cost` also times the decode kernel without its split-KV merge
+(`paged_mla_partials`: q prep + launch) in the same run and prints the difference, the merge's cost
+(the launch overhead that matters at B = 1-8). Prints a table and writes JSON.
 
     python benchmarks/mla_bench.py --out benchmarks/results/mla_bench.json
+    python benchmarks/mla_bench.py --batches 1 8 --seqs 1024 4096 --merge-cost --skip-prefill  # launch cost
     python benchmarks/mla_bench.py --interpret --batches 1 --seqs 128 --heads 16 --prefill-lens 64 --reps 1 \\
         --inner 1   # CPU smoke run
 """
 
 import argparse
+import functools
 import json
 import math
 import statistics
@@ -27,11 +31,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pallas_kernels.mla_decode import mla_decode  # noqa: E402
-from pallas_kernels.mla_prefill import mla_prefill  # noqa: E402
-from pallas_kernels.mla_reference import mla_decode_reference, mla_prefill_reference  # noqa: E402
+from pallas_kernels.mla_common import KV_DIM, LATENT_DIM, PAGE_SIZE, ROPE_DIM  # noqa: E402
+from pallas_kernels.mla_decode import mla_decode, paged_mla_partials  # noqa: E402
+from pallas_kernels.mla_prefill import mla_chunk_attention  # noqa: E402
+from pallas_kernels.mla_reference import mla_decode_reference  # noqa: E402
 
-PAGE = 64
+PAGE = PAGE_SIZE
 SCALE = 192**-0.5
 
 
@@ -52,9 +57,9 @@ def _decode_inputs(key: int, b: int, h: int, s: int):
     n_pages = b * math.ceil(s / PAGE)
     table = rng.permutation(n_pages).reshape(b, -1).astype(np.int32)
     k1, k2, k3 = jax.random.split(jax.random.key(key), 3)
-    kv = jax.random.normal(k1, (n_pages, PAGE, 576), jnp.bfloat16)
-    ql = jax.random.normal(k2, (b, h, 512), jnp.bfloat16)
-    qr = jax.random.normal(k3, (b, h, 64), jnp.bfloat16)
+    kv = jax.random.normal(k1, (n_pages, PAGE, KV_DIM), jnp.bfloat16)
+    ql = jax.random.normal(k2, (b, h, LATENT_DIM), jnp.bfloat16)
+    qr = jax.random.normal(k3, (b, h, ROPE_DIM), jnp.bfloat16)
     return ql, qr, kv, jnp.asarray(table), jnp.full((b,), s, jnp.int32)
 
 
@@ -63,12 +68,21 @@ def _rel_err(x, ref) -> float:
     return float(jnp.linalg.norm(x - ref) / jnp.linalg.norm(ref))
 
 
+def _partials_only(ql, qr, kv, table, seq, *, interpret):
+    """The kernel launch with its q prep but without the split merge (the `--merge-cost` baseline)."""
+    return paged_mla_partials(ql[:, None], qr[:, None], kv, table, seq - 1, seq, softmax_scale=SCALE,
+                              interpret=interpret)
+
+
 def bench_decode(args, results: list, deadline: float) -> None:
-    kern = jax.jit(lambda *a: mla_decode(*a, softmax_scale=SCALE, interpret=args.interpret))
+    interpret = args.interpret or None  # None: the one policy (interpreter off a GPU)
+    kern = jax.jit(lambda *a: mla_decode(*a, softmax_scale=SCALE, interpret=interpret))
+    part = jax.jit(functools.partial(_partials_only, interpret=interpret))
     ref = jax.jit(lambda *a: mla_decode_reference(*a, softmax_scale=SCALE))
     bs, ss = args.batches, args.seqs
     print(f"{'H':>4} {'B':>4} {'S':>6} | {'kernel ms':>9} {'TF/s':>6} {'GB/s':>6} | {'xla ms':>8} "
-          f"{'TF/s':>6} {'GB/s':>6} | {'speedup':>7} {'rel_err':>8}", flush=True)
+          f"{'TF/s':>6} {'GB/s':>6} | {'speedup':>7} {'rel_err':>8}"
+          + (f" | {'no-merge ms':>11} {'merge us':>8}" if args.merge_cost else ""), flush=True)
     for h in args.heads:
         for b in bs:
             for s in ss:
@@ -87,6 +101,11 @@ def bench_decode(args, results: list, deadline: float) -> None:
                 flops = 2.0 * b * h * s * (576 + 512)
                 byts = b * s * 576 * 2.0
                 row = dict(kind="decode", H=h, B=b, S=s, nan=nan, rel_err_vs_fp32=err, kernel=tk, xla=tr)
+                extra = ""
+                if args.merge_cost:  # same run: the kernel without the split merge that follows it
+                    tp = _time(part, inp, args.reps, args.inner)
+                    row["kernel_without_merge"] = tp
+                    extra = f" | {tp['median_ms']:>11.4f} {1e3 * (tk['median_ms'] - tp['median_ms']):>8.1f}"
                 for t in (tk, tr):
                     t["tflops"] = flops / (t["median_ms"] * 1e-3) / 1e12
                     t["gbps"] = byts / (t["median_ms"] * 1e-3) / 1e9
@@ -95,7 +114,7 @@ def bench_decode(args, results: list, deadline: float) -> None:
                       f"{tk['gbps']:>6.0f} | {tr['median_ms']:>8.4f} {tr['tflops']:>6.1f} "
                       f"{tr['gbps']:>6.0f} | "
                       f"{tr['median_ms'] / tk['median_ms']:>7.2f} {'-' if err is None else f'{err:.1e}':>8}"
-                      f"{'  NaN!' if nan else ''}", flush=True)
+                      f"{extra}{'  NaN!' if nan else ''}", flush=True)
                 del inp, out, lse
 
 
@@ -112,8 +131,10 @@ def _naive_prefill(q_nope, q_pe, k_nope, k_pe, v):
 
 def bench_prefill(args, results: list, deadline: float) -> None:
     h = 128
-    kern = jax.jit(lambda *a: mla_prefill(*a, softmax_scale=SCALE, interpret=args.interpret))
-    ref = jax.jit(lambda *a: mla_prefill_reference(*a, softmax_scale=SCALE))
+    # The model's adaptor: the same arguments for kernel and reference (bf16 in, so both compute in bf16).
+    kern = jax.jit(lambda *a: mla_chunk_attention(*a, softmax_scale=SCALE, use_kernel=True,
+                                                  interpret=args.interpret or None))
+    ref = jax.jit(lambda *a: mla_chunk_attention(*a, softmax_scale=SCALE, use_kernel=False))
     print(f"\nprefill H=128 B=1, chunk = whole sequence\n{'T':>6} | {'absorbed kernel ms':>18} {'TF/s':>6} | "
           f"{'absorbed xla ms':>15} | {'naive xla ms':>12} {'TF/s':>6}", flush=True)
     for t in args.prefill_lens:
@@ -160,6 +181,8 @@ def main() -> None:
     p.add_argument("--prefill-lens", type=int, nargs="+", default=[1024, 4096])
     p.add_argument("--interpret", action="store_true", help="CPU smoke run of the script (GPU interpreter)")
     p.add_argument("--skip-prefill", action="store_true")
+    p.add_argument("--merge-cost", action="store_true",
+                   help="also time the decode kernel without its split merge; prints the merge's cost in us")
     args = p.parse_args()
     deadline = time.time() + args.budget_s
     dev = jax.devices()[0]
