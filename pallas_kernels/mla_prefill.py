@@ -75,7 +75,8 @@ def mla_chunk_attention(
     choice of `use_kernel` (`mla_common.kernel_shape_error`); the kernel raises if it cannot.
     """
     if use_kernel:
-        return mla_prefill(q_latent.astype(kv_pages.dtype), q_rope.astype(kv_pages.dtype), kv_pages,
-                           block_table, start_pos, chunk_lens, softmax_scale=softmax_scale, interpret=interpret)
+        dt = kv_pages.dtype
+        return mla_prefill(q_latent.astype(dt), q_rope.astype(dt), kv_pages, block_table, start_pos,
+                           chunk_lens, softmax_scale=softmax_scale, interpret=interpret)
     return mla_prefill_reference(q_latent, q_rope.astype(q_latent.dtype), kv_pages.astype(q_latent.dtype),
                                  block_table, start_pos, chunk_lens, softmax_scale=softmax_scale)
