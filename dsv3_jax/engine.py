@@ -346,9 +346,8 @@ class Engine:
         ck = (key, self._sig, kernels.backend(), moe._forced_dispatch.get(), tuple(sorted(opts.items())))
         if ck not in store:
             t0 = time.perf_counter()
-            ints = jax.ShapeDtypeStruct((sum(int(np.prod(s)) for _, s in step.int_fields(key)),), jnp.int32)
-            floats = jax.ShapeDtypeStruct((sum(int(np.prod(s)) for _, s in step.float_fields(key)),),
-                                          jnp.float32)
+            ints = jax.ShapeDtypeStruct((step.packed_size(step.int_fields(key)),), jnp.int32)
+            floats = jax.ShapeDtypeStruct((step.packed_size(step.float_fields(key)),), jnp.float32)
             if self.handle.mesh is not None:
                 rep = jax.sharding.NamedSharding(self.handle.mesh, jax.sharding.PartitionSpec())
                 ints = jax.ShapeDtypeStruct(ints.shape, ints.dtype, sharding=rep)

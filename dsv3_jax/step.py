@@ -98,13 +98,31 @@ class StepBatch:
             else _unpack(self.floats, float_fields(self.key), np)[name]
 
 
-def _unpack(buf, fields, xp) -> dict[str, Any]:
-    out, off = {}, 0
-    for name, shape in fields:
-        size = int(np.prod(shape))
-        out[name] = buf[off:off + size].reshape(shape)
-        off += size
-    return out
+# Each input field starts on a 256-byte boundary of its packed buffer (64 four-byte values). XLA may hand
+# a kernel a slice of the packed parameter in place, and Mosaic GPU kernels refuse operands that are not
+# 256-byte aligned ("Input buffer 2 is not 256-byte aligned" from the MLA kernel's page table).
+INPUT_ALIGN = 64
+
+
+def _offsets(fields, align: int) -> tuple[list[int], int]:
+    """Start of each field in the packed buffer (each a multiple of `align`), and the buffer's length."""
+    starts, off = [], 0
+    for _, shape in fields:
+        starts.append(off)
+        off += -(-int(np.prod(shape)) // align) * align
+    return starts, off
+
+
+def packed_size(fields, align: int = INPUT_ALIGN) -> int:
+    """Length of the packed buffer holding `fields` (what `build` fills and the step unpacks)."""
+    return _offsets(fields, align)[1]
+
+
+def _unpack(buf, fields, xp, align: int = INPUT_ALIGN) -> dict[str, Any]:
+    """Views of the packed `buf` by field name; outputs (packed densely on device) pass `align=1`."""
+    starts, _ = _offsets(fields, align)
+    return {name: buf[off:off + int(np.prod(shape))].reshape(shape)
+            for (name, shape), off in zip(fields, starts, strict=True)}
 
 
 @dataclasses.dataclass
@@ -142,8 +160,8 @@ def build(rows: list[RowPlan], *, spec_k: int, token_buckets: tuple[int, ...],
     key = StepKey(n_seg * num_shards, s_seg * num_shards, width, spec_k,
                   any(r.temperature > 0 for r in rows), logprobs)
     n, s, j = key.tokens, key.rows, spec_k + 1
-    ints = np.zeros(sum(int(np.prod(sh)) for _, sh in int_fields(key)), np.int32)
-    floats = np.zeros(sum(int(np.prod(sh)) for _, sh in float_fields(key)), np.float32)
+    ints = np.zeros(packed_size(int_fields(key)), np.int32)
+    floats = np.zeros(packed_size(float_fields(key)), np.float32)
     a, f = _unpack(ints, int_fields(key), np), _unpack(floats, float_fields(key), np)
     a["src"][:] = -1
     a["slot"][:] = scratch_slot
@@ -195,9 +213,9 @@ def out_float_fields(key: StepKey) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def unpack_outputs(key: StepKey, ints: np.ndarray, floats: np.ndarray | None) -> dict[str, np.ndarray]:
-    out = _unpack(ints, out_fields(key), np)
+    out = _unpack(ints, out_fields(key), np, align=1)
     if floats is not None:
-        out.update(_unpack(floats, out_float_fields(key), np))
+        out.update(_unpack(floats, out_float_fields(key), np, align=1))
     return out
 
 

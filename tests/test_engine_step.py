@@ -214,3 +214,19 @@ def test_warmup_compiles_every_step_ahead(params):
     assert eng.warmup() > 0 and eng.stats["compiles"] == 1
     eng.generate(_prompts(3, 3, 8, seed=7), max_new_tokens=3)
     assert eng.stats["compiles"] == 1 and eng.stats["steps"] > 1
+
+
+@pytest.mark.parametrize("key", [step.StepKey(1, 1, 4, 0, False, False),
+                                 step.StepKey(37, 5, 3, 2, True, True)])
+def test_packed_input_fields_start_on_256_byte_boundaries(key):
+    """Mosaic GPU kernels refuse operands that are not 256-byte aligned, and XLA may pass a field of the
+    packed step input (e.g. the page table) to a kernel in place: every field must start aligned."""
+    for fields in (step.int_fields(key), step.float_fields(key)):
+        starts, total = step._offsets(fields, step.INPUT_ALIGN)
+        assert all(off * 4 % 256 == 0 for off in starts)
+        assert total == step.packed_size(fields) >= sum(int(np.prod(s)) for _, s in fields)
+    rows = [step.RowPlan(rid=0, slot=1, start=0, tokens=[5, 6, 7], n=3, pending_last=False, final=True,
+                         ndraft=0, hint=0, pages=[2], temperature=0.0, top_p=1.0, top_k=0, seed=0, counter=0)]
+    batch = step.build(rows, spec_k=0, token_buckets=(1, 4), row_buckets=(1,), min_width=1, logprobs=False)
+    assert batch.ints.size == step.packed_size(step.int_fields(batch.key))
+    assert batch.view("tokens")[:3].tolist() == [5, 6, 7] and batch.view("table")[0, 0] == 2
