@@ -14,10 +14,9 @@ next tile's first K blocks while the current tile's epilogue runs). The epilogue
 valid rows through shared memory in 64-column chunks with TMA stores. Rows at or past
 ``sum(group_sizes)`` come back as zeros. Gradients (``jax.grad``) go through the reference.
 
-Split-K (``k_splits > 1``, the small-M decode tiling): each work item covers one slice of K and writes
-fp32 partial sums to its own ``[k_splits, M, N]`` plane, summed (and cast) in one XLA reduction after
-the kernel. With few rows per step there are few (row tile, column tile) items, each walking the
-whole K serially on one SM; splitting K multiplies the items so every SM streams weights.
+Split-K (``k_splits > 1``, a variant; the defaults do not use it): each work item covers one slice of K
+and writes fp32 partial sums to its own ``[k_splits, M, N]`` plane, summed (and cast) in one XLA
+reduction after the kernel.
 """
 
 from __future__ import annotations
@@ -104,24 +103,18 @@ class GroupedGemmConfig:
         return jnp.dtype(jnp.float32) if self.k_splits > 1 else jnp.dtype(out_dtype)
 
 
-PREFILL_CONFIG = GroupedGemmConfig(wg_m=128, wg_n=128, wg_split="n", max_concurrent_steps=4)
+# Warpgroups stacked along M (CTA 256x128): on the H200 605 TFLOP/s on gate_up and 472 on down at
+# 65,536 rows, against 531 / 446 side by side along N (benchmarks/RESULTS.md, 2026-12-03).
+PREFILL_CONFIG = GroupedGemmConfig(wg_m=128, wg_n=128, wg_split="m", max_concurrent_steps=4)
 DECODE_CONFIG = GroupedGemmConfig(wg_m=64, wg_n=128, wg_split="n", max_concurrent_steps=4)
 
 
-# At most this many rows per step (a decode batch of a few users x 8 experts) the (row tile, column
-# tile) items are too few to keep every SM streaming weights, so K is split.
-SMALL_M_ROWS = 128
-SMALL_M_CONFIG = dataclasses.replace(DECODE_CONFIG, k_splits=2)
+def default_config(num_rows: int, num_groups: int) -> GroupedGemmConfig:
+    """The prefill tiling when groups average at least 96 rows, the decode tiling otherwise.
 
-
-def default_config(num_rows: int, num_groups: int, k: int | None = None) -> GroupedGemmConfig:
-    """Prefill tiling when groups average at least 96 rows; split-K decode tiling for at most
-    ``SMALL_M_ROWS`` rows (when ``k``, if given, splits into whole steps); the decode tiling otherwise."""
-    if num_rows >= 96 * num_groups:
-        return PREFILL_CONFIG
-    if num_rows <= SMALL_M_ROWS and (k is None or (round_up(k, _BK) // _BK) % SMALL_M_CONFIG.k_splits == 0):
-        return SMALL_M_CONFIG
-    return DECODE_CONFIG
+    ``k_splits`` stays 1: measured on the H200 at 8-128 rows over 256 experts, splitting K was never
+    faster (the experts' column tiles already fill the SMs; benchmarks/RESULTS.md, issue 17)."""
+    return PREFILL_CONFIG if num_rows >= 96 * num_groups else DECODE_CONFIG
 
 
 def _epi_cols(out_dtype) -> int:
@@ -337,7 +330,7 @@ def grouped_gemm(
     m, n = x.shape[0], w.shape[1]
     if m == 0 or n == 0:
         return jnp.zeros((m, n), out_dtype)
-    cfg = config or default_config(m, w.shape[0], x.shape[1])
+    cfg = config or default_config(m, w.shape[0])
     return _grouped_gemm(x, w, group_sizes.astype(jnp.int32), out_dtype, cfg, resolve_interpret(interpret))
 
 

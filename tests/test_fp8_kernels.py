@@ -15,7 +15,6 @@ import pytest
 from pallas_kernels.fp8_gemm import (
     DECODE_CONFIG,
     PREFILL_CONFIG,
-    SMALL_M_CONFIG,
     Fp8GemmConfig,
     default_config,
     dense_config,
@@ -248,7 +247,8 @@ def test_grouped_gemm_deepseek_shapes_gpu(k, n, m, config):
 
 @pytest.mark.parametrize("config,m,k,n", [(PREFILL_CONFIG, 16384, 7168, 4096),
                                           (DECODE_CONFIG, 512, 2048, 7168),
-                                          (SMALL_M_CONFIG, 64, 7168, 4096), (SMALL_M_CONFIG, 8, 2048, 7168)])
+                                          (Fp8GemmConfig("n", 4, k_splits=2), 64, 7168, 4096),
+                                          (Fp8GemmConfig("n", 4, k_splits=8), 8, 2048, 7168)])
 def test_grouped_gemm_lowers_for_hopper_at_deepseek_shapes(config, m, k, n):
     """Ahead-of-time lowering for CUDA (no GPU needed) runs Mosaic GPU's layout inference and its shared
     memory check for each tiling, split-K included."""
@@ -261,15 +261,15 @@ def test_grouped_gemm_lowers_for_hopper_at_deepseek_shapes(config, m, k, n):
     assert "mosaic_gpu" in f.trace(x, xs, w, ws, gs).lower(lowering_platforms=("cuda",)).as_text()
 
 
-def test_default_config_splits_k_only_for_few_rows():
-    assert default_config(65536, 256, 7168) == PREFILL_CONFIG
-    assert default_config(512, 256, 7168) == DECODE_CONFIG
-    assert default_config(64, 256, 7168) == SMALL_M_CONFIG
-    assert default_config(64, 256, 128) == DECODE_CONFIG  # one K block cannot be split
+def test_default_config_by_rows_per_expert():
+    assert default_config(65536, 256) == PREFILL_CONFIG
+    assert default_config(512, 256) == DECODE_CONFIG
+    assert default_config(64, 256).k_splits == 1  # split-K measured slower for grouped decode
 
 
 def test_dense_config_splits_k_until_every_sm_has_work():
     assert dense_config(4096, 7168, 7168) == PREFILL_CONFIG
     one_row = dense_config(1, 1536, 7168)  # 6 column tiles, 56 K blocks: the largest split <= 16 is 14
     assert one_row.wg_split == "n" and one_row.k_splits == 14
-    assert dense_config(64, 24576, 1536).k_splits == 2  # 96 tiles x 2 >= 132 SMs
+    assert dense_config(64, 7168, 16384).k_splits == 8  # 28 tiles x 8 >= 132 SMs
+    assert dense_config(64, 24576, 1536) == PREFILL_CONFIG  # 192 prefill tiles already fill the SMs

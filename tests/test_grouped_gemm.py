@@ -8,6 +8,7 @@ checked against a plain numpy loop over groups. GPU (``-m gpu``, on an H200): De
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import jax
@@ -21,7 +22,6 @@ from pallas_kernels.group_tiles import tile_counts, tile_metadata
 from pallas_kernels.grouped_gemm import (
     DECODE_CONFIG,
     PREFILL_CONFIG,
-    SMALL_M_CONFIG,
     GroupedGemmConfig,
     default_config,
     grouped_gemm,
@@ -127,8 +127,7 @@ def test_configs_fit_shared_memory_and_default_choice():
         assert cfg.smem_bytes(jnp.bfloat16) <= 227 * 1024
     assert default_config(65536, 256) == PREFILL_CONFIG
     assert default_config(512, 256) == DECODE_CONFIG
-    assert default_config(64, 256) == SMALL_M_CONFIG
-    assert SMALL_M_CONFIG.smem_bytes(jnp.float32) <= 227 * 1024
+    assert dataclasses.replace(DECODE_CONFIG, k_splits=2).smem_bytes(jnp.float32) <= 227 * 1024
     with pytest.raises(ValueError, match="k_splits"):
         GroupedGemmConfig(k_splits=0)
 
@@ -141,7 +140,7 @@ def test_split_k_that_does_not_divide_k_is_refused():
 
 @pytest.mark.parametrize("config,m,k,n", [(PREFILL_CONFIG, 65536, 7168, 4096),
                                           (DECODE_CONFIG, 512, 2048, 7168),
-                                          (SMALL_M_CONFIG, 64, 7168, 4096)])
+                                          (dataclasses.replace(DECODE_CONFIG, k_splits=2), 64, 7168, 4096)])
 def test_kernel_lowers_for_hopper_at_deepseek_shapes(config, m, k, n):
     """Ahead-of-time lowering for CUDA needs no GPU and runs Mosaic GPU's own layout inference, dialect
     lowering and 227 KiB shared-memory check: the kernel's Hopper program is well formed (only the PTX
