@@ -349,41 +349,45 @@ SMALL_M_INNER = 20  # back-to-back calls per timing sample in --small-m
 
 
 def small_m_case(results, m: int, shape: str, k: int, n: int, bf16_cfgs, fp8_cfgs, torch_peer: bool) -> None:
-    """One few-rows case: the bf16 and FP8 kernels' variants and torch's peers on the same rows."""
-    name = f"small-M {shape} M={m} zipf"
-    gs = group_sizes_for(m, E, "skewed")
+    """One decode case: the bf16 and FP8 kernels' variants and torch's peers on the same rows (Zipf loads
+    below 256 rows, uniform from 256 on, as in the main sweep)."""
+    load = "skewed" if m < E else "uniform"
+    name = f"small-M {shape} M={m} {'zipf' if load == 'skewed' else load}"
+    gs = group_sizes_for(m, E, load)
     active = int((gs > 0).sum())
     kx, kw = jax.random.split(jax.random.key(m * 7 + k))
     x = jax.random.normal(kx, (m, k), jnp.bfloat16)
     gs_j = jnp.asarray(gs)
     flops = 2.0 * m * n * k
     sample = sorted({int(np.argmax(gs)), 1, 7, E - 1})
-    # bf16
-    w = jax.random.normal(kw, (E, n, k), jnp.bfloat16) * 0.02
-    for cfg in bf16_cfgs:
-        label = f"pallas bf16 {cfg.wg_m}x{cfg.wg_n}/{cfg.wg_split}/{cfg.max_concurrent_steps}/ks{cfg.k_splits}"
-        f = jax.jit(lambda a, b, g, cfg=cfg: grouped_gemm(a, b, g, config=cfg))
-        try:
-            out = jax.block_until_ready(f(x, w, gs_j))
-            err = check_sample_bf16(out, x, w, gs, sample)
-            med, lo, hi = time_jax_spread(f, x, w, gs_j, inner=SMALL_M_INNER)
-            sync = time_jax_spread(f, x, w, gs_j)[0]
-            results.append(row(name, label, med, flops, 2 * active * n * k, err, min_ms=round(lo, 4),
-                               max_ms=round(hi, 4), ms_sync=round(sync, 4), dtype="bf16"))
-        except Exception as ex:  # noqa: BLE001 - report and carry on
-            print(f"{name}: {label} FAILED: {type(ex).__name__}: {str(ex)[:2000]}", flush=True)
-            results.append({"case": name, "variant": label, "error": str(ex)[:1000]})
-    if torch_peer:
-        import torch
+    if bf16_cfgs:
+        w = jax.random.normal(kw, (E, n, k), jnp.bfloat16) * 0.02
+        for cfg in bf16_cfgs:
+            label = f"pallas bf16 {cfg.wg_m}x{cfg.wg_n}/{cfg.wg_split}/{cfg.max_concurrent_steps}/ks{cfg.k_splits}"
+            f = jax.jit(lambda a, b, g, cfg=cfg: grouped_gemm(a, b, g, config=cfg))
+            try:
+                out = jax.block_until_ready(f(x, w, gs_j))
+                err = check_sample_bf16(out, x, w, gs, sample)
+                med, lo, hi = time_jax_spread(f, x, w, gs_j, inner=SMALL_M_INNER)
+                sync = time_jax_spread(f, x, w, gs_j)[0]
+                results.append(row(name, label, med, flops, 2 * active * n * k, err, min_ms=round(lo, 4),
+                                   max_ms=round(hi, 4), ms_sync=round(sync, 4), dtype="bf16"))
+            except Exception as ex:  # noqa: BLE001 - report and carry on
+                print(f"{name}: {label} FAILED: {type(ex).__name__}: {str(ex)[:2000]}", flush=True)
+                results.append({"case": name, "variant": label, "error": str(ex)[:1000]})
+        if torch_peer:
+            import torch
 
-        tx = torch.from_dlpack(x)
-        offs = torch.tensor(np.cumsum(gs), dtype=torch.int32, device="cuda")
-        tw = torch.from_dlpack(w).transpose(-2, -1)
-        med, lo, hi = time_torch_spread(lambda: torch._grouped_mm(tx, tw, offs=offs), inner=SMALL_M_INNER)
-        results.append(row(name, "torch _grouped_mm bf16", med, flops, 2 * active * n * k,
-                           min_ms=round(lo, 4), max_ms=round(hi, 4), dtype="bf16"))
-        del tx, tw
-    del w
+            tx = torch.from_dlpack(x)
+            offs = torch.tensor(np.cumsum(gs), dtype=torch.int32, device="cuda")
+            tw = torch.from_dlpack(w).transpose(-2, -1)
+            med, lo, hi = time_torch_spread(lambda: torch._grouped_mm(tx, tw, offs=offs), inner=SMALL_M_INNER)
+            results.append(row(name, "torch _grouped_mm bf16", med, flops, 2 * active * n * k,
+                               min_ms=round(lo, 4), max_ms=round(hi, 4), dtype="bf16"))
+            del tx, tw
+        del w
+    if not fp8_cfgs:
+        return
     # fp8
     xq, xs = quantize_act(x)
     wq, ws = random_fp8_weights(kw, E, n, k)
@@ -421,7 +425,8 @@ def small_m_case(results, m: int, shape: str, k: int, n: int, bf16_cfgs, fp8_cfg
     del wq, ws
 
 
-def small_m_main(results, save_fn, torch_peer: bool) -> None:
+def small_m_main(results, save_fn, torch_peer: bool, rows=(64, 8, 128), kinds=("bf16", "fp8"),
+                 dense: bool = True) -> None:
     """Issue 17 item 3: few rows per step (decode at batch 1-16: 8-128 rows over 256 experts) for both
     kernels, split-K variants beside the unsplit decode tiling, torch peers in the same run. Every
     timing here is a median of 10 samples of 20 back-to-back calls (device-bound for jax and torch
@@ -447,11 +452,14 @@ def small_m_main(results, save_fn, torch_peer: bool) -> None:
     results.append({"case": "tile_metadata M=64 E=256", "variant": "jnp (compare_all)", "ms": round(med, 4),
                     "min_ms": round(lo, 4), "max_ms": round(hi, 4)})
     print(f"tile_metadata alone: {med * 1e3:.1f} us (min {lo * 1e3:.1f}, max {hi * 1e3:.1f})", flush=True)
-    for m in (64, 8, 128):
+    bf16_cfgs = bf16_cfgs if "bf16" in kinds else []
+    fp8_cfgs = fp8_cfgs if "fp8" in kinds else []
+    for i, m in enumerate(rows):
         for shape, (k, n) in SHAPES.items():
-            small_m_case(results, m, shape, k, n, bf16_cfgs, fp8_cfgs, torch_peer)
+            small_m_case(results, m, shape, k, n, bf16_cfgs[:1] if m > 128 else bf16_cfgs,
+                         fp8_cfgs[:1] if m > 128 else fp8_cfgs, torch_peer)
             save_fn()
-        if m == 8:
+        if dense and i == 1:
             dense_small_m(results, torch_peer)
             save_fn()
 
@@ -509,6 +517,9 @@ def main() -> None:
     ap.add_argument("--bf16", action="store_true", help="only the BF16 grouped GEMM (issue 15)")
     ap.add_argument("--smoke", action="store_true", help="compile and check each variant on small shapes")
     ap.add_argument("--small-m", action="store_true", help="only few-rows decode (issue 17 item 3)")
+    ap.add_argument("--rows", default="64,8,128", help="--small-m: rows per step (above 128: defaults only)")
+    ap.add_argument("--kinds", default="bf16,fp8", help="--small-m: which kernels")
+    ap.add_argument("--no-dense", action="store_true", help="--small-m: skip the dense FP8 GEMM shapes")
     args = ap.parse_args()
     results: list[dict] = []
     meta = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
@@ -519,7 +530,9 @@ def main() -> None:
         save(args.out, meta, results)
         raise SystemExit(0 if ok else 1)
     if args.small_m:
-        small_m_main(results, lambda: save(args.out, meta, results), not args.no_torch)
+        small_m_main(results, lambda: save(args.out, meta, results), not args.no_torch,
+                     rows=[int(r) for r in args.rows.split(",")], kinds=args.kinds.split(","),
+                     dense=not args.no_dense)
         save(args.out, meta, results)
         return
     if args.bf16:
