@@ -1,7 +1,8 @@
 """Plain-jnp references for the FP8 GEMMs in ``fp8_gemm.py``: dequantize, then matmul in fp32.
 
-Same signatures as the kernels. The grouped reference uses ``jax.lax.ragged_dot`` on the dequantized
-operands, so it never builds an ``[E, M, N]`` intermediate over all experts. Rows at or past
+Same signatures as the kernels. The grouped reference is ``group_tiles.segment_matmul`` over row tiles
+that never straddle two experts, dequantizing one expert's weight per tile: no ``ragged_dot`` (which
+XLA densifies over all experts) and no fp32 copy of every expert's weight. Rows at or past
 ``sum(group_sizes)`` come out zero, as in the kernel.
 """
 
@@ -11,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.fp8_quant import dequantize_act, dequantize_weight, quantize_act
+from pallas_kernels.group_tiles import segment_matmul
 
 
 def fp8_gemm_reference(
@@ -39,14 +41,10 @@ def fp8_grouped_gemm_reference(
 ) -> jax.Array:
     """Rows of ``x [M, K]`` sorted by group; group ``e``'s rows times ``w[e] [N, K]`` transposed."""
     x = dequantize_act(x_fp8, x_scale)
-    w = dequantize_weight(w_fp8, w_scale)
-    out = jax.lax.ragged_dot(
-        x,
-        jnp.swapaxes(w, 1, 2),
-        group_sizes.astype(jnp.int32),
-        precision=jax.lax.Precision.HIGHEST,
-        preferred_element_type=jnp.float32,
-    )
+    if w_scale.shape[0] != w_fp8.shape[0]:  # checked here: the per-group dequantize sees one group only
+        raise ValueError(f"w_scale {w_scale.shape} does not match w_fp8 {w_fp8.shape} in the group axis")
+    out = segment_matmul(x, group_sizes.astype(jnp.int32),
+                         lambda g: dequantize_weight(w_fp8[g], w_scale[g]), w_fp8.shape[1])
     return out.astype(out_dtype)
 
 

@@ -1,16 +1,22 @@
 """Row-tile bookkeeping shared by the grouped GEMMs (bf16 ``grouped_gemm`` and ``fp8_grouped_gemm``).
 
 Owns: how rows sorted by group are cut into row tiles that never straddle two groups
-(``tile_metadata``, computed outside the kernels), and how a kernel writes back only a tile's valid
-rows (``store_rows``, a power-of-two ladder of TMA stores), and the few shape helpers both kernels
-share (``round_up``, ``pad_axis``, ``num_sms``). Must not know about dtypes, scales,
-tilings of N/K or the model: both kernels and the bf16 reference build on these two pieces only.
+(``tile_metadata``, computed outside the kernels), how a kernel writes back only a tile's valid
+rows (``store_rows``, a power-of-two ladder of TMA stores), the plain-jnp segment matmul over such
+tiles that both references use (``segment_matmul``: the bf16 reference and the FP8 one, which
+dequantizes one group's weight per tile), and the few shape helpers both kernels share
+(``round_up``, ``pad_axis``, ``num_sms``). Must not know about dtypes, scales, tilings of N/K or the
+model.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -98,3 +104,42 @@ def pad_axis(x: jax.Array, axis: int, size: int) -> jax.Array:
 def num_sms() -> int:
     """Streaming multiprocessors of the first device (the persistent kernels' grid); 132 on an H100/H200."""
     return getattr(jax.devices()[0], "core_count", None) or 132
+
+
+def _reference_row_tile(num_rows: int, num_groups: int) -> int:
+    """About the mean rows per group (a power of two in [8, 128]): at most ~2x the rows get computed."""
+    return min(128, max(8, 1 << int(math.log2(max(1, num_rows // max(1, num_groups))))))
+
+
+def segment_matmul(x: jax.Array, group_sizes: jax.Array, weight_of: Callable[[jax.Array], jax.Array],
+                   n: int) -> jax.Array:
+    """fp32 ``out[r] = x[r] @ weight_of(g(r)).T`` for rows sorted by group, in plain jnp.
+
+    ``weight_of(g)`` returns group ``g``'s ``[n, K]`` weight in fp32 (it is called per row tile, so an
+    FP8 caller dequantizes one group at a time, never all of them). Row tiles never straddle two groups,
+    so each tile multiplies only by its own group's weight: no dense all-groups product and no
+    ``ragged_dot`` (which XLA densifies). Rows at or past ``sum(group_sizes)`` come out zero.
+    Differentiable in ``x`` and in whatever ``weight_of`` closes over.
+    """
+    m = x.shape[0]
+    g = group_sizes.shape[0]
+    if m == 0 or n == 0:
+        return jnp.zeros((m, n), jnp.float32)
+    t = _reference_row_tile(m, g)
+    mp = round_up(m, t)
+    meta, _ = tile_metadata(group_sizes, mp, t)
+    xp = pad_axis(x.astype(jnp.float32), 0, mp)
+
+    def one_tile(col):
+        gi, row0, lo, hi = col[GROUP], col[ROW0], col[LO], col[HI]
+        xt = lax.dynamic_slice_in_dim(xp, row0, t)
+        y = jnp.dot(xt, weight_of(jnp.minimum(gi, g - 1)).T, precision=lax.Precision.HIGHEST,
+                    preferred_element_type=jnp.float32)
+        rows = row0 + jnp.arange(t, dtype=jnp.int32)
+        keep = (rows >= lo) & (rows < hi) & (gi < g)
+        return jnp.where(keep[:, None], y, 0.0), jnp.where(keep, rows, mp)
+
+    ys, rows = lax.map(one_tile, meta.T)
+    # Every row is kept by exactly one tile; rows of no tile (past the groups) stay zero.
+    out = jnp.zeros((mp, n), jnp.float32).at[rows.reshape(-1)].add(ys.reshape(-1, n), mode="drop")
+    return out[:m]

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +38,7 @@ from pallas_kernels.group_tiles import (
     num_sms,
     pad_axis,
     round_up,
+    segment_matmul,
     store_rows,
     tile_counts,
     tile_metadata,
@@ -334,19 +334,15 @@ def grouped_gemm(
     return _grouped_gemm(x, w, group_sizes.astype(jnp.int32), out_dtype, cfg, resolve_interpret(interpret))
 
 
-def _reference_row_tile(num_rows: int, num_groups: int) -> int:
-    """About the mean rows per group (a power of two in [8, 128]): at most ~2x the rows get computed."""
-    return min(128, max(8, 1 << int(math.log2(max(1, num_rows // max(1, num_groups))))))
-
-
 def grouped_gemm_reference(
     x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, out_dtype: jnp.dtype | None = None
 ) -> jax.Array:
     """Plain-jnp grouped GEMM with :func:`grouped_gemm`'s contract, computed in fp32.
 
-    A segment matmul over row tiles that never straddle two groups: each tile multiplies its rows by
-    its own group's weight only (no dense all-groups product, no ``ragged_dot``), so the work is at most
-    about twice the rows' own. Any float dtypes; differentiable in ``x`` and ``w``.
+    A segment matmul over row tiles that never straddle two groups (``group_tiles.segment_matmul``):
+    each tile multiplies its rows by its own group's weight only (no dense all-groups product, no
+    ``ragged_dot``), so the work is at most about twice the rows' own. Any float dtypes; differentiable
+    in ``x`` and ``w``.
     """
     m, k = x.shape
     g, n, k2 = w.shape
@@ -354,23 +350,5 @@ def grouped_gemm_reference(
         raise ValueError(f"shapes do not match: x {x.shape}, w {w.shape} ([G, N, K]), group_sizes "
                          f"{group_sizes.shape}")
     out_dtype = jnp.dtype(out_dtype or x.dtype)
-    if m == 0 or n == 0:
-        return jnp.zeros((m, n), out_dtype)
-    t = _reference_row_tile(m, g)
-    mp = round_up(m, t)
-    meta, _ = tile_metadata(group_sizes, mp, t)
-    xp = pad_axis(x, 0, mp).astype(jnp.float32)
-
-    def one_tile(col):
-        gi, row0, lo, hi = col[GROUP], col[ROW0], col[LO], col[HI]
-        xt = lax.dynamic_slice_in_dim(xp, row0, t)
-        wt = w[jnp.minimum(gi, g - 1)].astype(jnp.float32)
-        y = jnp.dot(xt, wt.T, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
-        rows = row0 + jnp.arange(t, dtype=jnp.int32)
-        keep = (rows >= lo) & (rows < hi) & (gi < g)
-        return jnp.where(keep[:, None], y, 0.0), jnp.where(keep, rows, mp)
-
-    ys, rows = lax.map(one_tile, meta.T)
-    # Every row is kept by exactly one tile; rows of no tile (past the groups) stay zero.
-    out = jnp.zeros((mp, n), jnp.float32).at[rows.reshape(-1)].add(ys.reshape(-1, n), mode="drop")
-    return out[:m].astype(out_dtype)
+    out = segment_matmul(x.astype(jnp.float32), group_sizes, lambda gi: w[gi].astype(jnp.float32), n)
+    return out.astype(out_dtype)

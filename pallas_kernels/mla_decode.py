@@ -48,6 +48,12 @@ DEFAULT_NUM_SMS = 132  # H100/H200 SXM
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 _M_INIT = -1e30  # finite so that rows with nothing to attend to in a split give 0, not NaN
+_ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a wgmma tile
+HALF_PAGE = PAGE_SIZE // 2  # keys per consumer in v2
+KERNEL_VARIANTS = ("v1", "v2")  # see the module docstring; v1 is the default
+# v2's row reductions stay inside a warp (wgmma layout, axis 1), so Mosaic's cross-warp reduction scratch
+# (default 2 KiB, reserved whether used or not) is cut to 1 KiB: the room for v2's exchange buffers.
+V2_REDUCTION_SCRATCH = 1024
 
 
 def choose_num_splits(batch: int, row_tiles: int, max_pages: int, num_sms: int = DEFAULT_NUM_SMS) -> int:
@@ -56,11 +62,43 @@ def choose_num_splits(batch: int, row_tiles: int, max_pages: int, num_sms: int =
     return max(1, min(num_sms // max(programs, 1), pl.cdiv(max_pages, 2)))
 
 
+def check_variant(variant: str) -> None:
+    if variant not in KERNEL_VARIANTS:
+        raise ValueError(f"MLA kernel variant must be one of {KERNEL_VARIANTS}, got {variant!r}")
+
+
+def _masked_scores(q_smem, k_smem, slot, key0: int, nkeys: int, page_pos0, limit_of, scale2):
+    """Scaled log2-domain scores of the Q tile against keys key0 .. key0 + nkeys of the page in `slot`
+    (wgmma N = nkeys), with positions at or past each row's limit set to -inf."""
+    def qk(s_ref):
+        plgpu.wgmma(s_ref, q_smem, k_smem.at[slot, pl.ds(key0, nkeys)].T)
+        return s_ref[...]
+
+    s = pl.run_scoped(qk, plgpu.ACC((BLOCK_ROWS, nkeys), jnp.float32))
+    pos = page_pos0 + key0 + plgpu.broadcasted_iota(jnp.int32, (BLOCK_ROWS, nkeys), 1, layout=plgpu.Layout.WGMMA)
+    return jnp.where(pos < limit_of(nkeys), s * scale2, -jnp.inf)
+
+
+def _pv(acc, p16, v, p_stage, interpret: bool):
+    """acc + P V for P [64, 64] in registers (wgmma A from registers); the interpreter takes A only from
+    shared memory, so there P goes through `p_stage` first (see the module docstring)."""
+    if interpret:
+        p_stage[...] = p16
+        plgpu.commit_smem()
+
+        def pv(o_ref):
+            plgpu.wgmma(o_ref, p_stage, v)
+            return o_ref[...]
+
+        return acc + pl.run_scoped(pv, plgpu.ACC(acc.shape, jnp.float32))
+    return pl.run_state(lambda o_ref: plgpu.wgmma(o_ref, p16, v))(plgpu.ACC.init(acc))
+
+
 def _kernel(
     q_ref, kv_ref, bt_ref, qstart_ref, kvlen_ref,  # inputs (GMEM)
     out_ref, lse_ref,  # outputs (GMEM)
-    q_smem, k_smem, lse_smem, p_smem, q_bar, k_bars, consumed_bars, done_bar,  # scratch
-    *, num_heads: int, num_queries: int, num_splits: int, softmax_scale: float, interpret: bool,
+    q_smem, k_smem, lse_smem, p_smem, mx_smem, px_smem, q_bar, k_bars, consumed_bars, done_bar, m_bar, p_bar,
+    *, num_heads: int, num_queries: int, num_splits: int, softmax_scale: float, interpret: bool, variant: str,
 ):
     b = lax.axis_index("b")
     tile = lax.axis_index("t")
@@ -98,59 +136,81 @@ def _kernel(
         plgpu.set_max_registers(232, action="increase")
         plgpu.barrier_wait(q_bar.at[0])
         scale2 = softmax_scale * _LOG2E
-        rows = row0 + plgpu.broadcasted_iota(jnp.int32, (BLOCK_ROWS, PAGE_SIZE), 0, layout=plgpu.Layout.WGMMA)
-        limit = jnp.minimum(q_start + 1 + rows // num_heads, kv_len)
+        other = 1 - half
 
-        def step(i, carry):
+        def limit_of(nkeys):
+            rows = row0 + plgpu.broadcasted_iota(jnp.int32, (BLOCK_ROWS, nkeys), 0, layout=plgpu.Layout.WGMMA)
+            return jnp.minimum(q_start + 1 + rows // num_heads, kv_len)
+
+        p_stage = p_smem.at[half] if interpret else None
+
+        def step_v1(i, carry):
             acc, m_i, l_i = carry
             slot = lax.rem(i, NUM_SLOTS)
             plgpu.barrier_wait(k_bars.at[slot])
-
-            def qk(s_ref):
-                plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].T)
-                return s_ref[...]
-
-            s = pl.run_scoped(qk, plgpu.ACC((BLOCK_ROWS, PAGE_SIZE), jnp.float32))
-            pos = (blk_lo + i) * PAGE_SIZE + plgpu.broadcasted_iota(
-                jnp.int32, (BLOCK_ROWS, PAGE_SIZE), 1, layout=plgpu.Layout.WGMMA
-            )
-            s = jnp.where(pos < limit, s * scale2, -jnp.inf)
+            s = _masked_scores(q_smem, k_smem, slot, 0, PAGE_SIZE, (blk_lo + i) * PAGE_SIZE, limit_of, scale2)
             m_new = jnp.maximum(m_i, s.max(axis=1))
             alpha = jnp.exp2(m_i - m_new)
             p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
             l_i = l_i * alpha + p.sum(axis=1)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            p16 = p.astype(k_smem.dtype)
             v = k_smem.at[slot, :, pl.ds(half * HALF, HALF)]
-            if interpret:
-                p_smem.at[half][...] = p16
-                plgpu.commit_smem()
+            acc = _pv(acc, p.astype(k_smem.dtype), v, p_stage, interpret)
+            plgpu.barrier_arrive(consumed_bars.at[slot])
+            return acc, m_new, l_i
 
-                def pv(o_ref):
-                    plgpu.wgmma(o_ref, p_smem.at[half], v)
-                    return o_ref[...]
-
-                acc = acc + pl.run_scoped(pv, plgpu.ACC((BLOCK_ROWS, HALF), jnp.float32))
-            else:
-                acc = pl.run_state(lambda o_ref: plgpu.wgmma(o_ref, p16, v))(plgpu.ACC.init(acc))
+        def step_v2(i, carry):
+            # This consumer scores keys [32 * half, 32 * half + 32) of the page; l_i sums only its own P
+            # half (the halves are added once, after the loop); m_i is the shared row maximum.
+            acc, m_i, l_i = carry
+            slot = lax.rem(i, NUM_SLOTS)
+            plgpu.barrier_wait(k_bars.at[slot])
+            s = _masked_scores(q_smem, k_smem, slot, half * HALF_PAGE, HALF_PAGE, (blk_lo + i) * PAGE_SIZE,
+                               limit_of, scale2)
+            m_own = jnp.maximum(m_i, s.max(axis=1))
+            mx_smem.at[half][...] = m_own
+            plgpu.barrier_arrive(m_bar)
+            plgpu.barrier_wait(m_bar)
+            m_new = jnp.maximum(m_own, plgpu.load(mx_smem.at[other], layout=_ROW_LAYOUT))
+            alpha = jnp.exp2(m_i - m_new)
+            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+            l_i = l_i * alpha + p.sum(axis=1)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            p16 = p.astype(k_smem.dtype)
+            px_smem.at[half][...] = p16
+            plgpu.barrier_arrive(p_bar)
+            plgpu.barrier_wait(p_bar)
+            p_other = plgpu.load(px_smem.at[other], layout=plgpu.Layout.WGMMA)
+            p_full = jnp.concatenate([p16, p_other] if half == 0 else [p_other, p16], axis=1)
+            v = k_smem.at[slot, :, pl.ds(half * HALF, HALF)]
+            acc = _pv(acc, p_full, v, p_stage, interpret)
             plgpu.barrier_arrive(consumed_bars.at[slot])
             return acc, m_new, l_i
 
         acc = plgpu.layout_cast(jnp.zeros((BLOCK_ROWS, HALF), jnp.float32), plgpu.Layout.WGMMA)
-        m_i = plgpu.layout_cast(jnp.full((BLOCK_ROWS,), _M_INIT, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-        l_i = plgpu.layout_cast(jnp.zeros((BLOCK_ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        m_i = plgpu.layout_cast(jnp.full((BLOCK_ROWS,), _M_INIT, jnp.float32), _ROW_LAYOUT)
+        l_i = plgpu.layout_cast(jnp.zeros((BLOCK_ROWS,), jnp.float32), _ROW_LAYOUT)
+        step = step_v2 if variant == "v2" else step_v1
         acc, m_i, l_i = lax.fori_loop(0, n_steps, step, (acc, m_i, l_i))
 
+        if variant == "v2":  # the row sum is the two consumers' halves; they meet at done_bar anyway
+            mx_smem.at[half][...] = l_i
         # Both consumers must be done reading the Q tile before it is reused to stage the output.
         plgpu.barrier_arrive(done_bar)
         plgpu.barrier_wait(done_bar)
+        if variant == "v2":
+            l_i = l_i + plgpu.load(mx_smem.at[other], layout=_ROW_LAYOUT)
+            # Consumer 0 stages the lse in the row that only it still reads (its own reads are done).
+            lse_stage = mx_smem.at[1]
+        else:
+            lse_stage = lse_smem
         empty = l_i == 0.0
         l_safe = jnp.where(empty, 1.0, l_i)
         out = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
         out_smem = q_smem.at[:, pl.ds(half * HALF, HALF)]
         out_smem[...] = out.astype(q_smem.dtype)
         if half == 0:
-            lse_smem[...] = jnp.where(empty, -jnp.inf, (m_i + jnp.log2(l_safe)) * _LN2)
+            lse_stage[...] = jnp.where(empty, -jnp.inf, (m_i + jnp.log2(l_safe)) * _LN2)
         plgpu.commit_smem()
         # A column half of the tiled tile is not contiguous; each 8-row group of it is (8x64 tiles).
         for r in range(0, BLOCK_ROWS, 8):
@@ -159,7 +219,7 @@ def _kernel(
                 out_ref.at[b, split, pl.ds(row0 + r, 8), pl.ds(half * HALF, HALF)],
             )
         if half == 0:
-            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, split, pl.ds(row0, BLOCK_ROWS)])
+            plgpu.copy_smem_to_gmem(lse_stage, lse_ref.at[b, split, pl.ds(row0, BLOCK_ROWS)])
         plgpu.wait_smem_to_gmem(0)
 
     pl.when(wg == 0)(functools.partial(consumer, 0))
@@ -233,10 +293,12 @@ def paged_mla_partials(
     softmax_scale: float,
     num_splits: int | None = None,
     interpret: bool | None = None,
+    variant: str = "v1",
 ) -> tuple[jax.Array, jax.Array]:
-    """Runs the kernel; returns the raw split partials out [B, S, R_pad, 512] and lse [B, S, R_pad] with
+    """Runs the kernel (`variant` in `KERNEL_VARIANTS`); returns the raw split partials out [B, S, R_pad, 512] and lse [B, S, R_pad] with
     rows R = Q * H padded to a multiple of 64 (every element is written, padding rows included)."""
     interpret = resolve_interpret(interpret)
+    check_variant(variant)
     bsz, nq, nh, _ = q_latent.shape
     check_kernel_args(q_latent, q_rope, kv_pages, block_table)
     row_tiles = pl.cdiv(nq * nh, BLOCK_ROWS)
@@ -247,22 +309,33 @@ def paged_mla_partials(
     tiling = plgpu.TilingTransform((8, 64))
     swizzle = plgpu.SwizzleTransform(128)
     dtype = q.dtype
+    v2 = variant == "v2"
     scratch = dict(
         q_smem=plgpu.SMEM((BLOCK_ROWS, KV_DIM), dtype, transforms=(tiling, swizzle)),
         k_smem=plgpu.SMEM((NUM_SLOTS, PAGE_SIZE, KV_DIM), dtype, transforms=(tiling, swizzle)),
-        lse_smem=plgpu.SMEM((BLOCK_ROWS,), jnp.float32),
-        # Only interpret mode stages P through shared memory (see the module docstring).
+        # v2 stages the lse in its exchange buffer instead (the 256 B that make its budget fit).
+        lse_smem=None if v2 else plgpu.SMEM((BLOCK_ROWS,), jnp.float32),
+        # Only interpret mode stages the full P tile through shared memory (see the module docstring).
         p_smem=(
             plgpu.SMEM((2, BLOCK_ROWS, PAGE_SIZE), dtype, transforms=(tiling, swizzle)) if interpret else None
+        ),
+        # v2's exchange: each consumer's row maxima (then row sums) and its P half [64, 32].
+        mx_smem=plgpu.SMEM((2, BLOCK_ROWS), jnp.float32) if v2 else None,
+        px_smem=(
+            plgpu.SMEM((2, BLOCK_ROWS, HALF_PAGE), dtype,
+                       transforms=(plgpu.TilingTransform((8, HALF_PAGE)), plgpu.SwizzleTransform(64)))
+            if v2 else None
         ),
         q_bar=plgpu.Barrier(num_barriers=1),
         k_bars=plgpu.Barrier(num_barriers=NUM_SLOTS),
         consumed_bars=plgpu.Barrier(num_arrivals=2, num_barriers=NUM_SLOTS),
         done_bar=plgpu.Barrier(num_arrivals=2),
+        m_bar=plgpu.Barrier(num_arrivals=2) if v2 else None,
+        p_bar=plgpu.Barrier(num_arrivals=2) if v2 else None,
     )
     body = functools.partial(
         _kernel, num_heads=nh, num_queries=nq, num_splits=num_splits,
-        softmax_scale=float(softmax_scale), interpret=bool(interpret),
+        softmax_scale=float(softmax_scale), interpret=bool(interpret), variant=variant,
     )
 
     names = [k for k, v in scratch.items() if v is not None]
@@ -284,7 +357,8 @@ def paged_mla_partials(
         grid_names=("b", "t", "s"),
         num_threads=3,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        compiler_params=plgpu.CompilerParams(
+            approx_math=True, **({"reduction_scratch_bytes": V2_REDUCTION_SCRATCH} if v2 else {})),
         # Interpret mode fills outputs and scratch with NaN first, so an unwritten element shows up.
         interpret=plgpu.InterpretGPUParams(uninitialized_memory="nan") if interpret else None,
     )(q, kv_pages, block_table.astype(jnp.int32), q_start.astype(jnp.int32), kv_len.astype(jnp.int32))
@@ -303,6 +377,7 @@ def paged_mla_attention(
     num_splits: int | None = None,
     interpret: bool | None = None,
     valid_queries: jax.Array | None = None,
+    variant: str = "v1",
 ) -> tuple[jax.Array, jax.Array]:
     """Kernel core shared by decode and prefill; q_* are [B, Q, H, D]; semantics of
     `mla_reference.paged_attention_reference`. Returns out [B, Q, H, 512] and lse [B, Q, H].
@@ -310,12 +385,12 @@ def paged_mla_attention(
     _, nq, nh, _ = q_latent.shape
     out_parts, lse_parts = paged_mla_partials(
         q_latent, q_rope, kv_pages, block_table, q_start, kv_len,
-        softmax_scale=softmax_scale, num_splits=num_splits, interpret=interpret,
+        softmax_scale=softmax_scale, num_splits=num_splits, interpret=interpret, variant=variant,
     )
     return merge_splits(out_parts, lse_parts, nq, nh, valid_queries)
 
 
-@functools.partial(jax.jit, static_argnames=("softmax_scale", "num_splits", "interpret"))
+@functools.partial(jax.jit, static_argnames=("softmax_scale", "num_splits", "interpret", "variant"))
 def mla_decode(
     q_latent: jax.Array,
     q_rope: jax.Array,
@@ -326,6 +401,7 @@ def mla_decode(
     softmax_scale: float,
     interpret: bool | None = None,
     num_splits: int | None = None,
+    variant: str = "v1",
 ) -> tuple[jax.Array, jax.Array]:
     """Absorbed MLA decode over a paged latent cache (Pallas Mosaic GPU).
 
@@ -336,12 +412,13 @@ def mla_decode(
     `num_splits` overrides the split-KV heuristic; `interpret=True` runs Pallas' GPU interpreter,
     `None` (default) does so whenever the default backend is not a GPU.
     With splits > 1 the partial outputs are kept in q's dtype before the fp32 combine.
+    `variant` picks the kernel design (`KERNEL_VARIANTS`, module docstring); "v1" is the default.
     """
     q_latent, q_rope, squeeze = as_4d(q_latent, q_rope)
     seq_lens = seq_lens.astype(jnp.int32)
     out, lse = paged_mla_attention(
         q_latent, q_rope, kv_pages, block_table, seq_lens - q_latent.shape[1], seq_lens,
-        softmax_scale=softmax_scale, num_splits=num_splits, interpret=interpret,
+        softmax_scale=softmax_scale, num_splits=num_splits, interpret=interpret, variant=variant,
     )
     if squeeze:
         out, lse = out[:, 0], lse[:, 0]

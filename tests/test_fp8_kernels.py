@@ -7,6 +7,8 @@ to write shows up (the "poisoned output" check). GPU (``-m gpu``, on an H200): D
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -273,3 +275,26 @@ def test_dense_config_splits_k_until_every_sm_has_work():
     assert one_row.wg_split == "n" and one_row.k_splits == 14
     assert dense_config(64, 7168, 16384).k_splits == 8  # 28 tiles x 8 >= 132 SMs
     assert dense_config(64, 24576, 1536) == PREFILL_CONFIG  # 192 prefill tiles already fill the SMs
+
+
+def test_grouped_reference_never_uses_ragged_dot_nor_dequantizes_every_expert():
+    """The FP8 reference (the path off Hopper) is a segment matmul: one expert's weight per row tile."""
+    sizes = [5, 0, 0, 40, 1, 0, 0, 0]
+    xq, xs, wq, ws = _grouped_inputs(50, 256, 128, len(sizes))
+    gs = jnp.array(sizes, jnp.int32)
+    ref = functools.partial(fp8_grouped_gemm_reference, out_dtype=jnp.float32)
+    jaxpr = jax.make_jaxpr(ref)(xq, xs, wq, ws, gs)
+    assert "ragged_dot" not in str(jaxpr)
+    # no fp32 array as large as every expert's weight anywhere in the program
+    big = [v.aval.shape for eqn in jaxpr.jaxpr.eqns for v in eqn.outvars
+           if v.aval.dtype == jnp.float32 and v.aval.size >= wq.size]
+    assert not big, big
+    out = fp8_grouped_gemm_reference(xq, xs, wq, ws, gs, out_dtype=jnp.float32)
+    x = np.asarray(dequantize_act(xq, xs), np.float64)
+    w = np.asarray(dequantize_weight(wq, ws), np.float64)
+    want = np.zeros((50, 128))
+    r = 0
+    for g, n in enumerate(sizes):
+        want[r:r + n] = x[r:r + n] @ w[g].T
+        r += n
+    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
