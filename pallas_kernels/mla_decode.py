@@ -25,8 +25,25 @@ Interpret mode (CPU tests): the GPU interpreter cannot take a wgmma A operand fr
 `pl.run_state` accumulators, so under `interpret=True` the P tile is staged through shared memory and
 the P V product is added to the carried accumulator as a value. Everything else is the same code.
 
-Known cost of this design: the two consumers both compute S (QK is ~53% of the FLOPs), so the kernel
-does ~1.5x the necessary tensor work; FlashMLA avoids that by exchanging P between warpgroups.
+Variants (`variant=`, `KERNEL_VARIANTS`; "v1" is the default everywhere):
+- v1 (above): the two consumers both compute S (QK is 576/1088 of the FLOPs), so the tensor cores do
+  ~1.53x the necessary work.
+- v2 (split QK): consumer c scores only keys [32c, 32c + 32) of the page (wgmma N=32 on its half of K),
+  so each QK FLOP is done once. Per page, two cross-warpgroup barriers (`m_bar`, `p_bar`, 2 arrivals):
+  each consumer stores its row maxima in `mx_smem[c]`, meets the other at `m_bar`, and takes the max of
+  both (the same m on both sides, so the halves of P share one scale); it then stores its bf16 P half
+  [64, 32] in `px_smem[c]`, meets at `p_bar`, loads the other half into registers and concatenates
+  the full P [64, 64] as the register A operand of its P V wgmma (K=64: with 128-byte swizzled V a
+  wgmma needs K to be a multiple of 64, so two K=32 products are not an option). Each consumer sums
+  only its own P half into l; the halves are added once, at the final barrier (`done_bar`). One buffer
+  of each kind suffices: a consumer writes step i+1's maxima only after passing step i's `p_bar`,
+  i.e. after the other has read step i's maxima, and its P half only after step i+1's `m_bar`, i.e.
+  after the other has loaded step i's P half into registers (on the GPU no wgmma reads `px_smem`).
+  Shared memory (bytes): Q 73,728 + two pages 147,456 + P halves 8,192 + maxima/sums 512 (reused to
+  stage the lse, so v1's 256-byte lse buffer goes) + Mosaic's reduction scratch 1,024 = 230,912,
+  which Pallas rounds up to 231,424, plus 8 barriers (64) = 231,488 of the 232,448 allowed. Mosaic's
+  default reduction scratch (2 KiB) would make it 232,512: v2's row reductions stay inside a warp, so
+  it asks for 1 KiB (`V2_REDUCTION_SCRATCH`; the CPU lowering test holds the budget).
 """
 
 import functools
@@ -75,7 +92,8 @@ def _masked_scores(q_smem, k_smem, slot, key0: int, nkeys: int, page_pos0, limit
         return s_ref[...]
 
     s = pl.run_scoped(qk, plgpu.ACC((BLOCK_ROWS, nkeys), jnp.float32))
-    pos = page_pos0 + key0 + plgpu.broadcasted_iota(jnp.int32, (BLOCK_ROWS, nkeys), 1, layout=plgpu.Layout.WGMMA)
+    cols = plgpu.broadcasted_iota(jnp.int32, (BLOCK_ROWS, nkeys), 1, layout=plgpu.Layout.WGMMA)
+    pos = page_pos0 + key0 + cols
     return jnp.where(pos < limit_of(nkeys), s * scale2, -jnp.inf)
 
 
@@ -295,8 +313,9 @@ def paged_mla_partials(
     interpret: bool | None = None,
     variant: str = "v1",
 ) -> tuple[jax.Array, jax.Array]:
-    """Runs the kernel (`variant` in `KERNEL_VARIANTS`); returns the raw split partials out [B, S, R_pad, 512] and lse [B, S, R_pad] with
-    rows R = Q * H padded to a multiple of 64 (every element is written, padding rows included)."""
+    """Runs the kernel (`variant` in `KERNEL_VARIANTS`); returns the raw split partials out
+    [B, S, R_pad, 512] and lse [B, S, R_pad] with rows R = Q * H padded to a multiple of 64 (every
+    element is written, padding rows included)."""
     interpret = resolve_interpret(interpret)
     check_variant(variant)
     bsz, nq, nh, _ = q_latent.shape
