@@ -8,10 +8,13 @@ median (min/max too) of `--reps` timings of `--inner` back-to-back calls. Before
 result is checked for NaN and against the fp32 reference (relative Frobenius error) where that
 reference is affordable. `--merge-cost` also times the decode kernel without its split-KV merge
 (`paged_mla_partials`: q prep + launch) in the same run and prints the difference, the merge's cost
-(the launch overhead that matters at B = 1-8). Prints a table and writes JSON.
+(the launch overhead that matters at B = 1-8). `--variants v1,v2` times each decode kernel variant
+(`mla_decode.KERNEL_VARIANTS`) on the same inputs, checks each against the fp32 reference (flagged
+above 2e-2) and prints the time ratio last/first per row. Prints a table and writes JSON.
 
     python benchmarks/mla_bench.py --out benchmarks/results/mla_bench.json
     python benchmarks/mla_bench.py --batches 1 8 --seqs 1024 4096 --merge-cost --skip-prefill  # launch cost
+    python benchmarks/mla_bench.py --variants v1,v2 --heads 128 --batches 64 128 --seqs 4096 --skip-prefill
     python benchmarks/mla_bench.py --interpret --batches 1 --seqs 128 --heads 16 --prefill-lens 64 --reps 1 \\
         --inner 1   # CPU smoke run
 """
@@ -32,12 +35,13 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pallas_kernels.mla_common import KV_DIM, LATENT_DIM, PAGE_SIZE, ROPE_DIM  # noqa: E402
-from pallas_kernels.mla_decode import mla_decode, paged_mla_partials  # noqa: E402
+from pallas_kernels.mla_decode import KERNEL_VARIANTS, mla_decode, paged_mla_partials  # noqa: E402
 from pallas_kernels.mla_prefill import mla_chunk_attention  # noqa: E402
 from pallas_kernels.mla_reference import mla_decode_reference  # noqa: E402
 
 PAGE = PAGE_SIZE
 SCALE = 192**-0.5
+ERR_BOUND = 2e-2  # relative error vs fp32 the GPU tests accept
 
 
 def _time(fn, args, reps: int, inner: int) -> dict:
@@ -76,13 +80,16 @@ def _partials_only(ql, qr, kv, table, seq, *, interpret):
 
 def bench_decode(args, results: list, deadline: float) -> None:
     interpret = args.interpret or None  # None: the one policy (interpreter off a GPU)
-    kern = jax.jit(lambda *a: mla_decode(*a, softmax_scale=SCALE, interpret=interpret))
+    variants = args.variants
+    kerns = {v: jax.jit(lambda *a, v=v: mla_decode(*a, softmax_scale=SCALE, interpret=interpret, variant=v))
+             for v in variants}
     part = jax.jit(functools.partial(_partials_only, interpret=interpret))
     ref = jax.jit(lambda *a: mla_decode_reference(*a, softmax_scale=SCALE))
     bs, ss = args.batches, args.seqs
-    print(f"{'H':>4} {'B':>4} {'S':>6} | {'kernel ms':>9} {'TF/s':>6} {'GB/s':>6} | {'xla ms':>8} "
-          f"{'TF/s':>6} {'GB/s':>6} | {'speedup':>7} {'rel_err':>8}"
-          + (f" | {'no-merge ms':>11} {'merge us':>8}" if args.merge_cost else ""), flush=True)
+    vcols = " | ".join(f"{v + ' ms':>9} {'TF/s':>6} {'GB/s':>6} {'rel_err':>8}" for v in variants)
+    ratio_col = f" | {variants[-1] + '/' + variants[0]:>7}" if len(variants) > 1 else ""
+    print(f"{'H':>4} {'B':>4} {'S':>6} | {vcols} | {'xla ms':>8} {'TF/s':>6} {'GB/s':>6} | {'speedup':>7}"
+          + ratio_col + (f" | {'no-merge ms':>11} {'merge us':>8}" if args.merge_cost else ""), flush=True)
     for h in args.heads:
         for b in bs:
             for s in ss:
@@ -90,32 +97,48 @@ def bench_decode(args, results: list, deadline: float) -> None:
                     print("time budget spent; stopping decode sweep", flush=True)
                     return
                 inp = _decode_inputs(b * 131 + s + h, b, h, s)
-                out, lse = kern(*inp)
-                nan = bool(jnp.isnan(out).any() | jnp.isnan(lse).any())
-                err = None
+                rout = None
                 if b * s <= 64 * 4096:  # fp32 reference only where it is cheap
                     rout, _ = ref(*[x.astype(jnp.float32) if x.dtype == jnp.bfloat16 else x for x in inp])
-                    err = _rel_err(out, rout)
-                tk = _time(kern, inp, args.reps, args.inner)
-                tr = _time(ref, inp, args.reps, args.inner)
                 flops = 2.0 * b * h * s * (576 + 512)
                 byts = b * s * 576 * 2.0
-                row = dict(kind="decode", H=h, B=b, S=s, nan=nan, rel_err_vs_fp32=err, kernel=tk, xla=tr)
+                per_variant = {}
+                for v in variants:  # same inputs for every variant
+                    out, lse = kerns[v](*inp)
+                    nan = bool(jnp.isnan(out).any() | jnp.isnan(lse).any())
+                    err = None if rout is None else _rel_err(out, rout)
+                    t = _time(kerns[v], inp, args.reps, args.inner)
+                    t.update(nan=nan, rel_err_vs_fp32=err, err_ok=None if err is None else err <= ERR_BOUND)
+                    per_variant[v] = t
+                    del out, lse
+                tr = _time(ref, inp, args.reps, args.inner)
+                for t in (*per_variant.values(), tr):
+                    t["tflops"] = flops / (t["median_ms"] * 1e-3) / 1e12
+                    t["gbps"] = byts / (t["median_ms"] * 1e-3) / 1e9
+                tk = per_variant[variants[0]]
+                row = dict(kind="decode", H=h, B=b, S=s, nan=tk["nan"], rel_err_vs_fp32=tk["rel_err_vs_fp32"],
+                           kernel=tk, variants=per_variant, xla=tr)
+                cells = []
+                flags = ""
+                for v, t in per_variant.items():
+                    err = t["rel_err_vs_fp32"]
+                    cells.append(f"{t['median_ms']:>9.4f} {t['tflops']:>6.1f} {t['gbps']:>6.0f} "
+                                 f"{'-' if err is None else f'{err:.1e}':>8}")
+                    flags += f"  {v}: NaN!" if t["nan"] else ""
+                    flags += f"  {v}: rel_err > {ERR_BOUND}!" if t["err_ok"] is False else ""
                 extra = ""
+                if len(variants) > 1:
+                    ratio = per_variant[variants[-1]]["median_ms"] / tk["median_ms"]
+                    row["time_ratio_last_over_first"] = ratio
+                    extra += f" | {ratio:>7.3f}"
                 if args.merge_cost:  # same run: the kernel without the split merge that follows it
                     tp = _time(part, inp, args.reps, args.inner)
                     row["kernel_without_merge"] = tp
-                    extra = f" | {tp['median_ms']:>11.4f} {1e3 * (tk['median_ms'] - tp['median_ms']):>8.1f}"
-                for t in (tk, tr):
-                    t["tflops"] = flops / (t["median_ms"] * 1e-3) / 1e12
-                    t["gbps"] = byts / (t["median_ms"] * 1e-3) / 1e9
+                    extra += f" | {tp['median_ms']:>11.4f} {1e3 * (tk['median_ms'] - tp['median_ms']):>8.1f}"
                 results.append(row)
-                print(f"{h:>4} {b:>4} {s:>6} | {tk['median_ms']:>9.4f} {tk['tflops']:>6.1f} "
-                      f"{tk['gbps']:>6.0f} | {tr['median_ms']:>8.4f} {tr['tflops']:>6.1f} "
-                      f"{tr['gbps']:>6.0f} | "
-                      f"{tr['median_ms'] / tk['median_ms']:>7.2f} {'-' if err is None else f'{err:.1e}':>8}"
-                      f"{extra}{'  NaN!' if nan else ''}", flush=True)
-                del inp, out, lse
+                print(f"{h:>4} {b:>4} {s:>6} | {' | '.join(cells)} | {tr['median_ms']:>8.4f} {tr['tflops']:>6.1f} "
+                      f"{tr['gbps']:>6.0f} | {tr['median_ms'] / tk['median_ms']:>7.2f}{extra}{flags}", flush=True)
+                del inp, rout
 
 
 def _naive_prefill(q_nope, q_pe, k_nope, k_pe, v):
@@ -169,6 +192,15 @@ def bench_prefill(args, results: list, deadline: float) -> None:
               f"{tn['median_ms']:>12.3f} {tn['tflops']:>6.1f}   (rel err vs xla {err:.1e})", flush=True)
 
 
+def _variants(text: str) -> list[str]:
+    names = [v.strip() for v in text.split(",") if v.strip()]
+    bad = [v for v in names if v not in KERNEL_VARIANTS]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(f"--variants takes a comma-separated subset of {KERNEL_VARIANTS}, "
+                                         f"got {text!r}")
+    return names
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="mla_bench.json")
@@ -181,6 +213,9 @@ def main() -> None:
     p.add_argument("--prefill-lens", type=int, nargs="+", default=[1024, 4096])
     p.add_argument("--interpret", action="store_true", help="CPU smoke run of the script (GPU interpreter)")
     p.add_argument("--skip-prefill", action="store_true")
+    p.add_argument("--variants", type=_variants, default=["v1"],
+                   help="comma-separated decode kernel variants timed on the same inputs, e.g. v1,v2 (the "
+                        "ratio column is last/first); speedup is the first against xla")
     p.add_argument("--merge-cost", action="store_true",
                    help="also time the decode kernel without its split merge; prints the merge's cost in us")
     args = p.parse_args()
