@@ -176,7 +176,7 @@ def test_bad_shapes_raise():
 # ----------------------------------------------------------------------------------------------- GPU
 
 
-def _gpu_case(rng_key, b, h, nq, max_len, ragged=True):
+def _gpu_case(rng_key, b, h, nq, max_len, ragged=True, variant="v1"):
     """Random cache with ragged lengths up to max_len; returns kernel and fp32-reference results."""
     rng = np.random.default_rng(rng_key)
     lens = rng.integers(max(nq, 1), max_len + 1, size=b) if ragged else np.full(b, max_len)
@@ -184,7 +184,7 @@ def _gpu_case(rng_key, b, h, nq, max_len, ragged=True):
     kv, table = _make_cache(rng, lens.tolist(), extra_pages=1, poison_unused=False)
     ql, qr = _queries(rng, (b, nq, h) if nq > 1 else (b, h))
     seq = jnp.asarray(lens, jnp.int32)
-    out, lse = mla_decode(ql, qr, kv, table, seq, softmax_scale=SCALE)
+    out, lse = mla_decode(ql, qr, kv, table, seq, softmax_scale=SCALE, variant=variant)
     ref = jax.jit(lambda *a: mla_decode_reference(*a, softmax_scale=SCALE))
     ref_out, ref_lse = ref(*_f32(ql, qr, kv), table, seq)
     return out, lse, ref_out, ref_lse
@@ -195,6 +195,15 @@ def _gpu_case(rng_key, b, h, nq, max_len, ragged=True):
 @pytest.mark.parametrize("b,max_len", [(1, 32768), (8, 16384), (64, 4096), (128, 1024), (128, 1)])
 def test_decode_gpu_real_shapes(b, h, max_len):
     out, lse, ref_out, ref_lse = _gpu_case(b * 7 + h, b, h, 1, max_len)
+    _assert_close(out, lse, ref_out, ref_lse)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("h,b,nq,max_len", [(128, 64, 1, 4096), (16, 128, 1, 4096), (128, 8, 2, 16384),
+                                            (16, 1, 1, 100)])
+def test_decode_gpu_v2(h, b, nq, max_len):
+    """The split-QK variant at real shapes: ragged lengths, MTP, one short sequence (a partial page)."""
+    out, lse, ref_out, ref_lse = _gpu_case(b * 5 + h + nq, b, h, nq, max_len, variant="v2")
     _assert_close(out, lse, ref_out, ref_lse)
 
 
