@@ -338,13 +338,14 @@ def paged_mla_partials(
         p_smem=(
             plgpu.SMEM((2, BLOCK_ROWS, PAGE_SIZE), dtype, transforms=(tiling, swizzle)) if interpret else None
         ),
-        # v2's exchange: each consumer's row maxima (then row sums) and its P half [64, 32].
-        mx_smem=plgpu.SMEM((2, BLOCK_ROWS), jnp.float32) if v2 else None,
+        # v2's exchange: each consumer's P half [64, 32] and its row maxima (then row sums); the P halves
+        # come first so that they sit 1 KiB-aligned like every swizzled buffer.
         px_smem=(
             plgpu.SMEM((2, BLOCK_ROWS, HALF_PAGE), dtype,
                        transforms=(plgpu.TilingTransform((8, HALF_PAGE)), plgpu.SwizzleTransform(64)))
             if v2 else None
         ),
+        mx_smem=plgpu.SMEM((2, BLOCK_ROWS), jnp.float32) if v2 else None,
         q_bar=plgpu.Barrier(num_barriers=1),
         k_bars=plgpu.Barrier(num_barriers=NUM_SLOTS),
         consumed_bars=plgpu.Barrier(num_arrivals=2, num_barriers=NUM_SLOTS),
