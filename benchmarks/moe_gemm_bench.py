@@ -34,6 +34,7 @@ from pallas_kernels.grouped_gemm import PREFILL_CONFIG as BF16_PREFILL
 from pallas_kernels.grouped_gemm import GroupedGemmConfig, grouped_gemm
 
 E = 256
+INNER = 5  # back-to-back calls per timing sample in the main FP8 sweep (device-bound, as torch's events)
 SHAPES = {"gate_up": (7168, 4096), "down": (2048, 7168)}
 
 
@@ -50,9 +51,9 @@ def group_sizes_for(m: int, e: int, load: str, seed: int = 0) -> np.ndarray:
     return counts.astype(np.int32)
 
 
-def time_jax(fn, *args, iters: int = 10, warmup: int = 2) -> float:
-    """Median wall-clock ms of ``fn(*args)`` (each call synchronised)."""
-    return time_jax_spread(fn, *args, iters=iters, warmup=warmup)[0]
+def time_jax(fn, *args, iters: int = 10, warmup: int = 2, inner: int = 1) -> float:
+    """Median wall-clock ms of ``fn(*args)`` (see ``time_jax_spread`` for ``inner``)."""
+    return time_jax_spread(fn, *args, iters=iters, warmup=warmup, inner=inner)[0]
 
 
 def time_torch(fn, iters: int = 10, warmup: int = 2, inner: int = 1) -> float:
@@ -137,9 +138,9 @@ def bench_case(name, m, k, n, load, configs, results, torch_peers: bool, ragged_
         try:
             out = jax.block_until_ready(f(xq, xs, wq, ws, gs_j))
             err = check_sample(out, xq, xs, wq, ws, gs, sample)
-            ms = time_jax(f, xq, xs, wq, ws, gs_j)
-            results.append(row(name, f"pallas fp8 {cfg.wg_split}/{cfg.max_concurrent_steps}", ms, flops,
-                               wbytes, err))
+            ms = time_jax(f, xq, xs, wq, ws, gs_j, inner=INNER)
+            label = f"pallas fp8 {cfg.wg_split}/{cfg.max_concurrent_steps}" + ("/chain" if cfg.chain else "")
+            results.append(row(name, label, ms, flops, wbytes, err))
         except Exception as ex:  # noqa: BLE001 - report and carry on with the other variants
             print(f"{name}: pallas {cfg} FAILED: {type(ex).__name__}: {str(ex)[:2000]}", flush=True)
             results.append({"case": name, "variant": f"pallas fp8 {cfg}", "error": str(ex)[:500]})
@@ -169,13 +170,14 @@ def torch_case(name, x, xq, xs, wq, gs, flops, wbytes, results):
     sa = torch.from_dlpack(jnp.max(xs, axis=1)).float().contiguous()
     sb = torch.ones(w8.shape[0], w8.shape[1], device=dev, dtype=torch.float32)
     try:
-        ms = time_torch(lambda: torch._scaled_grouped_mm(a8, b8, sa, sb, offs=offs, out_dtype=torch.bfloat16))
+        ms = time_torch(lambda: torch._scaled_grouped_mm(a8, b8, sa, sb, offs=offs, out_dtype=torch.bfloat16),
+                        inner=INNER)
         results.append(row(name, "torch _scaled_grouped_mm fp8 rowwise", ms, flops, wbytes))
     except Exception as ex:  # noqa: BLE001
         print(f"{name}: torch _scaled_grouped_mm FAILED: {str(ex)[:300]}", flush=True)
     try:
         wbf = w8.to(torch.bfloat16).transpose(-2, -1)
-        ms = time_torch(lambda: torch._grouped_mm(tx, wbf, offs=offs))
+        ms = time_torch(lambda: torch._grouped_mm(tx, wbf, offs=offs), inner=INNER)
         results.append(row(name, "torch _grouped_mm bf16", ms, flops, 2 * wbytes))
     except Exception as ex:  # noqa: BLE001
         print(f"{name}: torch _grouped_mm FAILED: {str(ex)[:300]}", flush=True)
@@ -190,15 +192,16 @@ def dense_case(results, m=8192, n=8192, k=8192):
     xq, xs = quantize_act(jax.random.normal(kx, (m, k), jnp.bfloat16))
     wq, ws = random_fp8_weights(kw, 1, n, k)
     flops = 2.0 * m * n * k
-    f = jax.jit(lambda a, b, c, d: fp8_gemm(a, b, c, d))
-    out = jax.block_until_ready(f(xq, xs, wq[0], ws[0]))
-    err = check_sample(out, xq, xs, wq, ws, np.array([m]), [0])
-    results.append(row(name, "pallas fp8_gemm 128x128 blocks", time_jax(f, xq, xs, wq[0], ws[0]), flops,
-                       n * k, err))
+    for cfg in (PREFILL_CONFIG, dataclasses.replace(PREFILL_CONFIG, chain=True)):
+        f = jax.jit(lambda a, b, c, d, cfg=cfg: fp8_gemm(a, b, c, d, config=cfg))
+        out = jax.block_until_ready(f(xq, xs, wq[0], ws[0]))
+        err = check_sample(out, xq, xs, wq, ws, np.array([m]), [0])
+        results.append(row(name, "pallas fp8_gemm 128x128" + ("/chain" if cfg.chain else ""),
+                           time_jax(f, xq, xs, wq[0], ws[0], inner=INNER), flops, n * k, err))
     a8 = torch.from_dlpack(xq.view(jnp.uint8)).view(torch.float8_e4m3fn)
     b8 = torch.from_dlpack(wq[0].view(jnp.uint8)).view(torch.float8_e4m3fn).t()
     one = torch.ones((), device="cuda", dtype=torch.float32)
-    ms = time_torch(lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16))
+    ms = time_torch(lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16), inner=INNER)
     results.append(row(name, "torch _scaled_mm fp8 (cuBLAS, tensorwise)", ms, flops, n * k))
 
 
@@ -517,6 +520,8 @@ def main() -> None:
     ap.add_argument("--bf16", action="store_true", help="only the BF16 grouped GEMM (issue 15)")
     ap.add_argument("--smoke", action="store_true", help="compile and check each variant on small shapes")
     ap.add_argument("--small-m", action="store_true", help="only few-rows decode (issue 17 item 3)")
+    ap.add_argument("--prefill", action="store_true",
+                    help="only FP8 prefill (uniform, 65,536 rows) and dense 8192^3, chained vs not, with peers")
     ap.add_argument("--rows", default="64,8,128", help="--small-m: rows per step (above 128: defaults only)")
     ap.add_argument("--kinds", default="bf16,fp8", help="--small-m: which kernels")
     ap.add_argument("--no-dense", action="store_true", help="--small-m: skip the dense FP8 GEMM shapes")
@@ -529,6 +534,19 @@ def main() -> None:
         ok = smoke(results)
         save(args.out, meta, results)
         raise SystemExit(0 if ok else 1)
+    if args.prefill:
+        chained = [PREFILL_CONFIG, dataclasses.replace(PREFILL_CONFIG, chain=True),
+                   Fp8GemmConfig("m", 5, chain=False)]
+        for shape, (k, n) in SHAPES.items():
+            bench_case(f"prefill {shape} M=65536 uniform", 65536, k, n, "uniform", chained, results,
+                       not args.no_torch, ragged_iters=0)
+            save(args.out, meta, results)
+        try:
+            dense_case(results)
+        except Exception as ex:  # noqa: BLE001 - keep what was measured
+            print(f"dense case FAILED: {type(ex).__name__}: {str(ex)[:2000]}", flush=True)
+        save(args.out, meta, results)
+        return
     if args.small_m:
         small_m_main(results, lambda: save(args.out, meta, results), not args.no_torch,
                      rows=[int(r) for r in args.rows.split(",")], kinds=args.kinds.split(","),

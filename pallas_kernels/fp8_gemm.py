@@ -59,11 +59,15 @@ class Fp8GemmConfig:
     k_splits: slices of K computed as separate work items into fp32 partial planes ``[k_splits, M, N]``,
       summed in one XLA reduction after the kernel (1: no split). For few rows per step, where the
       (row tile, column tile) items alone cannot keep every SM streaming weights.
+    chain: run one CTA's tile pipelines back to back (the loader fetches the next tile's first K blocks
+      while the current tile's epilogue runs, no drain and refill per tile); needs the K blocks per
+      slice to be a multiple of the depth, otherwise each tile drains.
     """
 
     wg_split: str = "m"
     max_concurrent_steps: int = 4
     k_splits: int = 1
+    chain: bool = False
 
     def __post_init__(self):
         if self.wg_split not in ("m", "n"):
@@ -135,7 +139,10 @@ def _kernel_body(
     swizzle = 128  # 128 fp8 bytes per K row of a tile
     fp8_tf = (plgpu.TilingTransform((8, swizzle)), plgpu.SwizzleTransform(swizzle))
 
-    def make_pipeline(step, ctx):
+    stages = min(cfg.max_concurrent_steps, k_steps)
+    chain = cfg.chain and k_steps % stages == 0
+
+    def make_pipeline(step, ctx, state=None):
         return plgpu.emit_pipeline_warp_specialized(
             step,
             grid=(k_steps,),
@@ -147,8 +154,9 @@ def _kernel_body(
             ],
             wg_axis="wg",
             num_compute_wgs=_NUM_COMPUTE_WGS,
-            max_concurrent_steps=cfg.max_concurrent_steps,
+            max_concurrent_steps=stages,
             compute_context=ctx,
+            pipeline_state=state,
         )
 
     ignore = lambda *_, **__: None
@@ -221,12 +229,19 @@ def _kernel_body(
                 return acc + part * lax.broadcast_in_dim(scale, (_WG_M, _WG_N), [0])
 
             k0 = pl.multiple_of(kb0 * _BK, _BK)
-            make_pipeline(step, ctx)(
-                x_gmem.at[pl.ds(t["row0"], tm), pl.ds(k0, k_len)],
-                w_gmem.at[g, pl.ds(t["ni"] * tn, tn), pl.ds(k0, k_len)],
-                xs_gmem.at[pl.ds(kb0, k_steps), pl.ds(t["row0"], tm)],
-                allocations=allocs,
-            )
+            refs = (x_gmem.at[pl.ds(t["row0"], tm), pl.ds(k0, k_len)],
+                    w_gmem.at[g, pl.ds(t["ni"] * tn, tn), pl.ds(k0, k_len)],
+                    xs_gmem.at[pl.ds(kb0, k_steps), pl.ds(t["row0"], tm)])
+            if not chain:
+                make_pipeline(step, ctx)(*refs, allocations=allocs)
+                return
+            # One CTA's tiles form one long pipeline: the first primes it, the last drains it.
+            first = info.local_index == 0
+            last = info.local_index == info.num_local_steps - 1
+            S = plgpu.PipelinePipeline
+            for cond, state in ((first & last, None), (first & ~last, S.START),
+                                (~first & ~last, S.STEADY), (~first & last, S.STOP)):
+                pl.when(cond)(lambda state=state: make_pipeline(step, ctx, state)(*refs, allocations=allocs))
 
         @plgpu.nd_loop((n_tail * n_tiles * ks,), collective_axes="sm")
         def _zero_tail(info: plgpu.NDLoopInfo):

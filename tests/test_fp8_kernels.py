@@ -152,6 +152,9 @@ def _assert_close(out, ref):
         # split-K (fp32 partial planes, 64-column epilogue chunks), a zero tail in every plane
         (Fp8GemmConfig(wg_split="n", max_concurrent_steps=2, k_splits=4), (70, 512, 256),
          [3, 0, 1, 40, 0, 9]),
+        # chained tile pipelines over several tiles per CTA (interpret mode runs 2 "SMs")
+        (Fp8GemmConfig(wg_split="m", max_concurrent_steps=2, chain=True), (600, 256, 256),
+         [100, 0, 300, 1, 150]),
     ],
 )
 def test_grouped_gemm_matches_reference(config, shape, sizes):
@@ -250,7 +253,8 @@ def test_grouped_gemm_deepseek_shapes_gpu(k, n, m, config):
 @pytest.mark.parametrize("config,m,k,n", [(PREFILL_CONFIG, 16384, 7168, 4096),
                                           (DECODE_CONFIG, 512, 2048, 7168),
                                           (Fp8GemmConfig("n", 4, k_splits=2), 64, 7168, 4096),
-                                          (Fp8GemmConfig("n", 4, k_splits=8), 8, 2048, 7168)])
+                                          (Fp8GemmConfig("n", 4, k_splits=8), 8, 2048, 7168),
+                                          (Fp8GemmConfig("m", 4, chain=True), 16384, 7168, 4096)])
 def test_grouped_gemm_lowers_for_hopper_at_deepseek_shapes(config, m, k, n):
     """Ahead-of-time lowering for CUDA (no GPU needed) runs Mosaic GPU's layout inference and its shared
     memory check for each tiling, split-K included."""
