@@ -84,9 +84,9 @@ def check_variant(variant: str) -> None:
         raise ValueError(f"MLA kernel variant must be one of {KERNEL_VARIANTS}, got {variant!r}")
 
 
-def _masked_scores(q_smem, k_smem, slot, key0: int, nkeys: int, page_pos0, limit_of, scale2):
+def _masked_scores(q_smem, k_smem, slot, key0: int, nkeys: int, page_pos0, limit, scale2):
     """Scaled log2-domain scores of the Q tile against keys key0 .. key0 + nkeys of the page in `slot`
-    (wgmma N = nkeys), with positions at or past each row's limit set to -inf."""
+    (wgmma N = nkeys), with positions at or past each row's `limit` [64, nkeys] set to -inf."""
     def qk(s_ref):
         plgpu.wgmma(s_ref, q_smem, k_smem.at[slot, pl.ds(key0, nkeys)].T)
         return s_ref[...]
@@ -94,7 +94,7 @@ def _masked_scores(q_smem, k_smem, slot, key0: int, nkeys: int, page_pos0, limit
     s = pl.run_scoped(qk, plgpu.ACC((BLOCK_ROWS, nkeys), jnp.float32))
     cols = plgpu.broadcasted_iota(jnp.int32, (BLOCK_ROWS, nkeys), 1, layout=plgpu.Layout.WGMMA)
     pos = page_pos0 + key0 + cols
-    return jnp.where(pos < limit_of(nkeys), s * scale2, -jnp.inf)
+    return jnp.where(pos < limit, s * scale2, -jnp.inf)
 
 
 def _pv(acc, p16, v, p_stage, interpret: bool):
@@ -156,9 +156,9 @@ def _kernel(
         scale2 = softmax_scale * _LOG2E
         other = 1 - half
 
-        def limit_of(nkeys):
-            rows = row0 + plgpu.broadcasted_iota(jnp.int32, (BLOCK_ROWS, nkeys), 0, layout=plgpu.Layout.WGMMA)
-            return jnp.minimum(q_start + 1 + rows // num_heads, kv_len)
+        nkeys = HALF_PAGE if variant == "v2" else PAGE_SIZE  # keys this consumer scores per page
+        rows = row0 + plgpu.broadcasted_iota(jnp.int32, (BLOCK_ROWS, nkeys), 0, layout=plgpu.Layout.WGMMA)
+        limit = jnp.minimum(q_start + 1 + rows // num_heads, kv_len)
 
         p_stage = p_smem.at[half] if interpret else None
 
@@ -166,7 +166,7 @@ def _kernel(
             acc, m_i, l_i = carry
             slot = lax.rem(i, NUM_SLOTS)
             plgpu.barrier_wait(k_bars.at[slot])
-            s = _masked_scores(q_smem, k_smem, slot, 0, PAGE_SIZE, (blk_lo + i) * PAGE_SIZE, limit_of, scale2)
+            s = _masked_scores(q_smem, k_smem, slot, 0, PAGE_SIZE, (blk_lo + i) * PAGE_SIZE, limit, scale2)
             m_new = jnp.maximum(m_i, s.max(axis=1))
             alpha = jnp.exp2(m_i - m_new)
             p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
@@ -184,7 +184,7 @@ def _kernel(
             slot = lax.rem(i, NUM_SLOTS)
             plgpu.barrier_wait(k_bars.at[slot])
             s = _masked_scores(q_smem, k_smem, slot, half * HALF_PAGE, HALF_PAGE, (blk_lo + i) * PAGE_SIZE,
-                               limit_of, scale2)
+                               limit, scale2)
             m_own = jnp.maximum(m_i, s.max(axis=1))
             mx_smem.at[half][...] = m_own
             plgpu.barrier_arrive(m_bar)
