@@ -80,6 +80,7 @@ def choose_num_splits(batch: int, row_tiles: int, max_pages: int, num_sms: int =
 
 
 def check_variant(variant: str) -> None:
+    """One clear error for a kernel variant name that is not in `KERNEL_VARIANTS`."""
     if variant not in KERNEL_VARIANTS:
         raise ValueError(f"MLA kernel variant must be one of {KERNEL_VARIANTS}, got {variant!r}")
 
@@ -218,7 +219,7 @@ def _kernel(
         plgpu.barrier_wait(done_bar)
         if variant == "v2":
             l_i = l_i + plgpu.load(mx_smem.at[other], layout=_ROW_LAYOUT)
-            # Consumer 0 stages the lse in the row that only it still reads (its own reads are done).
+            # Consumer 0 stages the lse in row 1, which it has read already; consumer 1 now reads only row 0.
             lse_stage = mx_smem.at[1]
         else:
             lse_stage = lse_smem
