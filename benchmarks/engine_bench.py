@@ -136,6 +136,7 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=1024)
     ap.add_argument("--budget-s", type=float, default=330.0, help="skip remaining loads after this")
     ap.add_argument("--no-xla-variants", action="store_true", help="skip the command-buffer variants")
+    ap.add_argument("--tasks", default="", help="comma-separated task names to run (default: all, by priority)")
     ap.add_argument("--out", type=Path, default=Path("engine_bench.json"))
     args = ap.parse_args()
     t_start = time.perf_counter()
@@ -248,7 +249,8 @@ def main() -> None:
         if name in done:
             continue
         done.add(name)
-        if name.startswith("64") and 64 not in batches or left() < need:
+        chosen = not args.tasks or name in args.tasks.split(",")
+        if not chosen or name.startswith("64") and 64 not in batches or left() < need:
             res.setdefault("skipped", []).append(name)
             continue
         fn()

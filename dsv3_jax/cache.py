@@ -6,7 +6,7 @@ page_size, H, 128]` (`LEAVES` names them, `token_shapes` gives their per-token s
 derives the cost). One pytree per scanned stack (dense_layers, moe_layers) plus the MTP layer. A
 sequence's logical page i (positions i*page_size ...) lives in physical page `block_table[b, i]`;
 physical page 0 is scratch that is never handed out (padding tokens are written there). The page size
-is `PAGE_SIZE` (the MLA kernel keeps its own copy, `pallas_kernels.mla_decode.PAGE_SIZE`, since kernels
+is `PAGE_SIZE` (the MLA kernels keep their own copy, `pallas_kernels.mla_common.PAGE_SIZE`, since kernels
 import nothing from dsv3_jax; a test ties the two). `write_pages` / `gather_pages` are the only code
 that indexes pages; `clear_pages` zeroes pages (a request whose numbers went non-finite must not leave
 NaN where the next owner's masked slots would read it). `contiguous_table` gives each sequence its own
