@@ -11,6 +11,12 @@ BF16 (``--bf16``, issue 15): ``pallas_kernels.grouped_gemm`` tiling variants bes
 bf16 on the same operands, prefill 65,536 rows (uniform and Zipf) and decode 256-1,024 rows; each timed
 variant is checked against fp32 on a sample of experts; decode reports weight bytes streamed per second.
 
+Issue 17: ``--small-m`` (8-128 rows per step, and ``--rows 256,512,1024``; split-K variants; the dense
+FP8 GEMM at the attention projections' shapes beside cuBLAS) and ``--prefill`` (65,536 rows, chained
+tile pipelines vs not, dense 8192^3). Timing: our calls are timed as back-to-back calls synchronised
+once per sample (``inner``; 20 in ``--small-m``, 5 in the FP8 sweep), so the device, not the host's
+dispatch, sets the figure, as CUDA events do for torch.
+
 Run on an H200: ``PYTHONPATH=. python3 benchmarks/moe_gemm_bench.py --out $OUT/moe_gemm_bench.json``
 (add ``--bf16`` for the BF16 kernel only).
 """
