@@ -44,6 +44,8 @@ Variants (`variant=`, `KERNEL_VARIANTS`; "v1" is the default everywhere):
   which Pallas rounds up to 231,424, plus 8 barriers (64) = 231,488 of the 232,448 allowed. Mosaic's
   default reduction scratch (2 KiB) would make it 232,512: v2's row reductions stay inside a warp, so
   it asks for 1 KiB (`V2_REDUCTION_SCRATCH`; the CPU lowering test holds the budget).
+  Measured on the H200 (2026-12-03): 0.985x v1's time at H=128, B=64-128, S=4K and 1.01-1.04x at H=16,
+  so v1 stays the default (benchmarks/RESULTS.md, "MLA decode v2").
 """
 
 import functools
