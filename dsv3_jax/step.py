@@ -28,6 +28,8 @@ sampling rules (sampling.py).
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -104,13 +106,19 @@ class StepBatch:
 INPUT_ALIGN = 64
 
 
-def _offsets(fields, align: int) -> tuple[list[int], int]:
+def _offsets(fields, align: int) -> tuple[tuple[int, ...], int]:
     """Start of each field in the packed buffer (each a multiple of `align`), and the buffer's length."""
+    return _offsets_cached(tuple(shape for _, shape in fields), align)
+
+
+@functools.lru_cache(maxsize=1024)
+def _offsets_cached(shapes: tuple[tuple[int, ...], ...], align: int) -> tuple[tuple[int, ...], int]:
+    # Called several times per engine step (build, unpack, outputs): cached, and math.prod, not np.prod.
     starts, off = [], 0
-    for _, shape in fields:
+    for shape in shapes:
         starts.append(off)
-        off += -(-int(np.prod(shape)) // align) * align
-    return starts, off
+        off += -(-math.prod(shape) // align) * align
+    return tuple(starts), off
 
 
 def packed_size(fields, align: int = INPUT_ALIGN) -> int:
@@ -121,7 +129,7 @@ def packed_size(fields, align: int = INPUT_ALIGN) -> int:
 def _unpack(buf, fields, xp, align: int = INPUT_ALIGN) -> dict[str, Any]:
     """Views of the packed `buf` by field name; outputs (packed densely on device) pass `align=1`."""
     starts, _ = _offsets(fields, align)
-    return {name: buf[off:off + int(np.prod(shape))].reshape(shape)
+    return {name: buf[off:off + math.prod(shape)].reshape(shape)
             for (name, shape), off in zip(fields, starts, strict=True)}
 
 
