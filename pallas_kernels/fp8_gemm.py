@@ -36,6 +36,7 @@ from pallas_kernels.group_tiles import (
     num_sms,
     pad_axis,
     round_up,
+    run_tile_pipeline,
     store_rows,
     tile_counts,
     tile_metadata,
@@ -232,16 +233,7 @@ def _kernel_body(
             refs = (x_gmem.at[pl.ds(t["row0"], tm), pl.ds(k0, k_len)],
                     w_gmem.at[g, pl.ds(t["ni"] * tn, tn), pl.ds(k0, k_len)],
                     xs_gmem.at[pl.ds(kb0, k_steps), pl.ds(t["row0"], tm)])
-            if not chain:
-                make_pipeline(step, ctx)(*refs, allocations=allocs)
-                return
-            # One CTA's tiles form one long pipeline: the first primes it, the last drains it.
-            first = info.local_index == 0
-            last = info.local_index == info.num_local_steps - 1
-            S = plgpu.PipelinePipeline
-            for cond, state in ((first & last, None), (first & ~last, S.START),
-                                (~first & ~last, S.STEADY), (~first & last, S.STOP)):
-                pl.when(cond)(lambda state=state: make_pipeline(step, ctx, state)(*refs, allocations=allocs))
+            run_tile_pipeline(make_pipeline, step, ctx, refs, allocs, info, chain)
 
         @plgpu.nd_loop((n_tail * n_tiles * ks,), collective_axes="sm")
         def _zero_tail(info: plgpu.NDLoopInfo):

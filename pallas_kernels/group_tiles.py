@@ -2,7 +2,8 @@
 
 Owns: how rows sorted by group are cut into row tiles that never straddle two groups
 (``tile_metadata``, computed outside the kernels), how a kernel writes back only a tile's valid
-rows (``store_rows``, a power-of-two ladder of TMA stores), the plain-jnp segment matmul over such
+rows (``store_rows``, a power-of-two ladder of TMA stores), how a persistent CTA runs (and optionally
+chains) its tiles' K pipelines (``run_tile_pipeline``), the plain-jnp segment matmul over such
 tiles that both references use (``segment_matmul``: the bf16 reference and the FP8 one, which
 dequantizes one group's weight per tile), and the few shape helpers both kernels share
 (``round_up``, ``pad_axis``, ``num_sms``). Must not know about dtypes, scales, tilings of N/K or the
@@ -86,6 +87,25 @@ def store_rows(o_smem, out_gmem, row_base, start, size, col0, max_rows: int) -> 
 
         start = start + (size & p)
         p //= 2
+
+
+def run_tile_pipeline(make_pipeline, step, ctx, refs, allocs, info: plgpu.NDLoopInfo, chain: bool) -> None:
+    """Run one work item's K pipeline inside a persistent CTA's tile loop.
+
+    ``make_pipeline(step, ctx, state)`` builds the warp-specialised pipeline. Unchained, each tile primes
+    and drains its own pipeline. Chained, one CTA's tiles form one long pipeline: the first tile primes
+    it, the last drains it, the ones between run steady (the loader fetches the next tile's first K
+    blocks while the current tile's epilogue runs).
+    """
+    if not chain:
+        make_pipeline(step, ctx)(*refs, allocations=allocs)
+        return
+    first = info.local_index == 0
+    last = info.local_index == info.num_local_steps - 1
+    S = plgpu.PipelinePipeline
+    for cond, state in ((first & last, None), (first & ~last, S.START),
+                        (~first & ~last, S.STEADY), (~first & last, S.STOP)):
+        pl.when(cond)(lambda state=state: make_pipeline(step, ctx, state)(*refs, allocations=allocs))
 
 
 def round_up(n: int, m: int) -> int:

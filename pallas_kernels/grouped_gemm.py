@@ -38,6 +38,7 @@ from pallas_kernels.group_tiles import (
     num_sms,
     pad_axis,
     round_up,
+    run_tile_pipeline,
     segment_matmul,
     store_rows,
     tile_counts,
@@ -213,16 +214,7 @@ def _kernel_body(counts_gmem, meta_gmem, x_gmem, w_gmem, out_gmem, *, cfg: Group
             k0 = pl.multiple_of(split * k_len, _BK)
             refs = (x_gmem.at[pl.ds(row0, tm), pl.ds(k0, k_len)],
                     w_gmem.at[g, pl.ds(ni * tn, tn), pl.ds(k0, k_len)])
-            if not chain:
-                make_pipeline(step, ctx)(*refs, allocations=allocs)
-                return
-            # One CTA's tiles form one long pipeline: the first primes it, the last drains it.
-            first = info.local_index == 0
-            last = info.local_index == info.num_local_steps - 1
-            S = plgpu.PipelinePipeline
-            for cond, state in ((first & last, None), (first & ~last, S.START),
-                                (~first & ~last, S.STEADY), (~first & last, S.STOP)):
-                pl.when(cond)(lambda state=state: make_pipeline(step, ctx, state)(*refs, allocations=allocs))
+            run_tile_pipeline(make_pipeline, step, ctx, refs, allocs, info, chain)
 
         @plgpu.nd_loop((n_tail * n_tiles * ks,), collective_axes="sm")
         def _zero_tail(info: plgpu.NDLoopInfo):
