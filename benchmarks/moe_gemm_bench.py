@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import statistics
 import time
@@ -518,6 +519,86 @@ def dense_small_m(results, torch_peer: bool) -> None:
                     print(f"{name}: torch _scaled_mm FAILED: {str(ex)[:300]}", flush=True)
 
 
+def config_label(cfg: Fp8GemmConfig) -> str:
+    """A short name for an FP8 tiling: split/stages, then only what differs from the defaults."""
+    return (f"{cfg.wg_split}/{cfg.max_concurrent_steps}" + (f"/w{cfg.wg_n}" if cfg.wg_n != 128 else "")
+            + (f"/b{cfg.band}" if cfg.band != 1 else "") + (f"/c{cfg.cluster_n}" if cfg.cluster_n != 1 else "")
+            + ("/chain" if cfg.chain else "")
+            + (f"/ks{cfg.k_splits}" if cfg.k_splits != 1 else ""))
+
+
+# Issue 17, round three: the tile width per warpgroup and the band work order, at large M.
+TILE_CONFIGS = (
+    Fp8GemmConfig("m", 4),
+    Fp8GemmConfig("m", 4, band=8),
+    Fp8GemmConfig("m", 4, band=2, cluster_n=2),
+    Fp8GemmConfig("m", 4, wg_n=256),
+    Fp8GemmConfig("m", 4, wg_n=256, band=2),
+    Fp8GemmConfig("m", 4, wg_n=256, band=8),
+    Fp8GemmConfig("m", 3, wg_n=256, band=2),
+    Fp8GemmConfig("m", 4, wg_n=256, band=2, chain=True),
+    Fp8GemmConfig("m", 4, wg_n=256, band=2, cluster_n=2),
+    Fp8GemmConfig("m", 4, wg_n=256, band=8, cluster_n=2),
+)
+
+
+def tiles_main(results, save_fn, torch_peer: bool, configs=TILE_CONFIGS) -> None:
+    """Each tiling at large M: the grouped GEMM at 65,536 uniform rows (gate_up, down) beside torch's
+    fp8 rowwise grouped GEMM, and the dense GEMM at 8192^3 and at M=4096 on the attention shapes beside
+    cuBLAS fp8, all in one run. Median of 10 samples of ``INNER`` back-to-back calls, with min/max."""
+    import torch
+
+    cases = [(f"prefill {shape} M=65536 uniform", 65536, k, n, E) for shape, (k, n) in SHAPES.items()]
+    cases += [("dense 8192x8192x8192", 8192, 8192, 8192, 0)]
+    cases += [(f"dense fp8 M=4096 K={k} N={n}", 4096, k, n, 0) for k, n in DENSE_SHAPES]
+    for name, m, k, n, e in cases:
+        kx, kw = jax.random.split(jax.random.key(m + n + k))
+        x = jax.random.normal(kx, (m, k), jnp.bfloat16)
+        xq, xs = quantize_act(x)
+        wq, ws = random_fp8_weights(kw, max(e, 1), n, k)
+        gs = group_sizes_for(m, e, "uniform") if e else np.array([m], np.int32)
+        flops, wbytes = 2.0 * m * n * k, max(e, 1) * n * k
+        for cfg in configs:
+            if e:
+                f = jax.jit(lambda a, b, c, d, g, cfg=cfg: fp8_grouped_gemm(a, b, c, d, g, config=cfg))
+                args = (xq, xs, wq, ws, jnp.asarray(gs))
+            else:
+                f = jax.jit(lambda a, b, c, d, cfg=cfg: fp8_gemm(a, b, c, d, config=cfg))
+                args = (xq, xs, wq[0], ws[0])
+            label = "pallas fp8 " + config_label(cfg)
+            try:
+                out = jax.block_until_ready(f(*args))
+                err = check_sample(out, xq, xs, wq, ws, gs, [0, 1, E - 1] if e else [0])
+                med, lo, hi = time_jax_spread(f, *args, inner=INNER)
+                results.append(row(name, label, med, flops, wbytes, err, min_ms=round(lo, 4), max_ms=round(hi, 4)))
+            except Exception as ex:  # noqa: BLE001 - report and carry on with the other variants
+                print(f"{name}: {label} FAILED: {type(ex).__name__}: {str(ex)[:1500]}", flush=True)
+                results.append({"case": name, "variant": label, "error": str(ex)[:500]})
+            del f
+        if torch_peer:
+            a8 = torch.from_dlpack(xq.view(jnp.uint8)).view(torch.float8_e4m3fn)
+            w8 = torch.from_dlpack(wq.view(jnp.uint8)).view(torch.float8_e4m3fn)
+            if e:
+                offs = torch.tensor(np.cumsum(gs), dtype=torch.int32, device="cuda")
+                sa = torch.from_dlpack(jnp.max(xs, axis=1)).float().contiguous()
+                sb = torch.ones(e, n, device="cuda", dtype=torch.float32)
+                peer, fn = "torch _scaled_grouped_mm fp8 rowwise", functools.partial(
+                    torch._scaled_grouped_mm, a8, w8.transpose(-2, -1), sa, sb, offs=offs,
+                    out_dtype=torch.bfloat16)
+            else:
+                one = torch.ones((), device="cuda", dtype=torch.float32)
+                peer, fn = "torch _scaled_mm fp8 (cuBLAS, tensorwise)", functools.partial(
+                    torch._scaled_mm, a8, w8[0].t(), one, one, out_dtype=torch.bfloat16)
+            try:
+                med, lo, hi = time_torch_spread(fn, inner=INNER)
+                results.append(row(name, peer, med, flops, wbytes, min_ms=round(lo, 4), max_ms=round(hi, 4)))
+            except Exception as ex:  # noqa: BLE001
+                print(f"{name}: {peer} FAILED: {str(ex)[:300]}", flush=True)
+            torch.cuda.empty_cache()
+        del x, xq, xs, wq, ws
+        save_fn()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="moe_gemm_bench.json")
@@ -528,6 +609,8 @@ def main() -> None:
     ap.add_argument("--small-m", action="store_true", help="only few-rows decode (issue 17 item 3)")
     ap.add_argument("--prefill", action="store_true",
                     help="only FP8 prefill (uniform, 65,536 rows) and dense 8192^3, chained vs not, with peers")
+    ap.add_argument("--tiles", action="store_true",
+                    help="only the tile width / work order sweep at large M, grouped and dense, with peers")
     ap.add_argument("--rows", default="64,8,128", help="--small-m: rows per step (above 128: defaults only)")
     ap.add_argument("--kinds", default="bf16,fp8", help="--small-m: which kernels")
     ap.add_argument("--no-dense", action="store_true", help="--small-m: skip the dense FP8 GEMM shapes")
@@ -551,6 +634,10 @@ def main() -> None:
             dense_case(results)
         except Exception as ex:  # noqa: BLE001 - keep what was measured
             print(f"dense case FAILED: {type(ex).__name__}: {str(ex)[:2000]}", flush=True)
+        save(args.out, meta, results)
+        return
+    if args.tiles:
+        tiles_main(results, lambda: save(args.out, meta, results), not args.no_torch)
         save(args.out, meta, results)
         return
     if args.small_m:

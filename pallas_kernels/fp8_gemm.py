@@ -44,7 +44,7 @@ from pallas_kernels.group_tiles import (
 from pallas_kernels.interpret import resolve_interpret
 
 _WG_M = 64  # rows per compute warpgroup (wgmma's M)
-_WG_N = 128  # columns per compute warpgroup: one 128-wide weight-scale block
+_SCALE_N = 128  # columns per weight-scale block, and per wgmma (one promotion each)
 _BK = 128  # K per pipeline step: one scale block
 _NUM_COMPUTE_WGS = 2
 
@@ -53,9 +53,13 @@ _NUM_COMPUTE_WGS = 2
 class Fp8GemmConfig:
     """Tiling of the kernel.
 
-    wg_split: how the two compute warpgroups share a CTA tile. ``"m"``: a 128x128 tile, each warpgroup
-      64 rows (prefill, many rows per expert). ``"n"``: a 64x256 tile, each warpgroup 128 columns
-      (decode: few rows per expert, so fewer wasted rows and more weight bytes per CTA).
+    wg_split: how the two compute warpgroups share a CTA tile. ``"m"``: each warpgroup ``64 x wg_n`` on
+      its own 64 rows (prefill, many rows per expert). ``"n"``: each warpgroup ``64 x wg_n`` on its own
+      columns (decode: few rows per expert, so fewer wasted rows and more weight bytes per CTA).
+    wg_n: columns per warpgroup, 128 or 256. At 256 a K step is two wgmmas (one per 128-column scale
+      block), each promoted with its own weight scale before the next is issued, so only one 64x128
+      product is live in registers beside the 64x256 sum (192 of the 232 registers per thread). Wider
+      tiles read fewer bytes per FLOP from L2.
     max_concurrent_steps: TMA pipeline depth (K blocks in flight).
     k_splits: slices of K computed as separate work items into fp32 partial planes ``[k_splits, M, N]``,
       summed in one XLA reduction after the kernel (1: no split). For few rows per step, where the
@@ -63,12 +67,22 @@ class Fp8GemmConfig:
     chain: run one CTA's tile pipelines back to back (the loader fetches the next tile's first K blocks
       while the current tile's epilogue runs, no drain and refill per tile); needs the K blocks per
       slice to be a multiple of the depth, otherwise each tile drains.
+    band: work order. 1: a row tile's column tiles run one after another (row-major). ``b > 1``: bands
+      of ``b`` row tiles, inside a band the row tiles of one column tile run together, so the SMs working
+      at one time share a few weight tiles and a few activation tiles in L2 instead of sweeping the whole
+      weight (a dense 8192^3 GEMM: 64 MiB of fp8 weight per two row tiles, more than the 50 MiB L2).
+    cluster_n: CTAs per cluster along N, 1 or 2. At 2 the two CTAs of a cluster take the same row tile
+      and neighbouring column tiles, and one TMA multicast brings the shared activation tile (and its
+      scales) to both, halving those L2 reads. Any grouping works: both tiles have the same expert.
     """
 
     wg_split: str = "m"
     max_concurrent_steps: int = 4
     k_splits: int = 1
     chain: bool = False
+    wg_n: int = 128
+    band: int = 1
+    cluster_n: int = 1
 
     def __post_init__(self):
         if self.wg_split not in ("m", "n"):
@@ -77,6 +91,12 @@ class Fp8GemmConfig:
             raise ValueError(f"max_concurrent_steps must be >= 1, got {self.max_concurrent_steps}")
         if self.k_splits < 1:
             raise ValueError(f"k_splits must be >= 1, got {self.k_splits}")
+        if self.wg_n not in (128, 256):
+            raise ValueError(f"wg_n must be 128 or 256, got {self.wg_n}")
+        if self.band < 1:
+            raise ValueError(f"band must be >= 1, got {self.band}")
+        if self.cluster_n not in (1, 2):
+            raise ValueError(f"cluster_n must be 1 or 2, got {self.cluster_n}")
 
     @property
     def tile_m(self) -> int:
@@ -84,7 +104,7 @@ class Fp8GemmConfig:
 
     @property
     def tile_n(self) -> int:
-        return _WG_N * (_NUM_COMPUTE_WGS if self.wg_split == "n" else 1)
+        return self.wg_n * (_NUM_COMPUTE_WGS if self.wg_split == "n" else 1)
 
 
 PREFILL_CONFIG = Fp8GemmConfig(wg_split="m", max_concurrent_steps=4)
@@ -113,9 +133,27 @@ def dense_config(num_rows: int, n: int, k: int) -> Fp8GemmConfig:
 
 
 def _epilogue_cols(dtype) -> int:
-    """Columns per epilogue store: a warpgroup's whole 128 for 2-byte outputs, 64 for fp32 partials
+    """Columns per epilogue store: one scale block's 128 for 2-byte outputs, 64 for fp32 partials
     (keeps the split-K decode tiling inside shared memory)."""
-    return _WG_N if jnp.dtype(dtype).itemsize <= 2 else _WG_N // 2
+    return _SCALE_N if jnp.dtype(dtype).itemsize <= 2 else _SCALE_N // 2
+
+
+def _aligned(offset, multiple: int):
+    """``offset`` with its alignment told to the compiler (static offsets need no hint)."""
+    return offset if isinstance(offset, int) else pl.multiple_of(offset, multiple)
+
+
+def _work_item(lin, first_tile, num_row_tiles, n_tiles: int, cfg: Fp8GemmConfig):
+    """(K slice, row tile, column tile) of work item ``lin`` among ``num_row_tiles`` row tiles starting
+    at ``first_tile``: K slice fastest, then the band order of ``cfg.band`` (see Fp8GemmConfig)."""
+    split, rest = lin % cfg.k_splits, lin // cfg.k_splits
+    if cfg.band == 1:
+        return split, first_tile + rest // n_tiles, rest % n_tiles
+    band = rest // (cfg.band * n_tiles)
+    start = band * cfg.band
+    rows_here = jnp.minimum(cfg.band, num_row_tiles - start)  # the last band may be short
+    local = rest - band * cfg.band * n_tiles
+    return split, first_tile + start + local % rows_here, local // rows_here
 
 
 def _kernel_body(
@@ -132,7 +170,8 @@ def _kernel_body(
     k_steps: int,
 ):
     """``out_gmem`` is ``[k_splits, M, N]``; ``k_steps`` counts the 128-wide K blocks of one slice."""
-    tm, tn = cfg.tile_m, cfg.tile_n
+    tm, tn, wg_n = cfg.tile_m, cfg.tile_n, cfg.wg_n
+    n_parts = wg_n // _SCALE_N  # wgmmas (and scale promotions) per warpgroup per K step
     ks = cfg.k_splits
     k_len = k_steps * _BK
     out_dtype = out_gmem.dtype
@@ -142,6 +181,8 @@ def _kernel_body(
 
     stages = min(cfg.max_concurrent_steps, k_steps)
     chain = cfg.chain and k_steps % stages == 0
+    # The activation tile and its scales are multicast to the cluster's CTAs (same row tile).
+    shared = ("cluster",) if cfg.cluster_n > 1 else None
 
     def make_pipeline(step, ctx, state=None):
         return plgpu.emit_pipeline_warp_specialized(
@@ -149,9 +190,9 @@ def _kernel_body(
             grid=(k_steps,),
             memory_registers=40,
             in_specs=[
-                plgpu.BlockSpec((tm, _BK), lambda k: (0, k), transforms=fp8_tf),
+                plgpu.BlockSpec((tm, _BK), lambda k: (0, k), transforms=fp8_tf, collective_axes=shared),
                 plgpu.BlockSpec((tn, _BK), lambda k: (0, k), transforms=fp8_tf),
-                plgpu.BlockSpec((1, tm), lambda k: (k, 0)),
+                plgpu.BlockSpec((1, tm), lambda k: (k, 0), collective_axes=shared),
             ],
             wg_axis="wg",
             num_compute_wgs=_NUM_COMPUTE_WGS,
@@ -173,61 +214,67 @@ def _kernel_body(
         wg = lax.axis_index("wg")
         n_real = counts_gmem[0]
         n_tail = counts_gmem[1]
+        # This warpgroup's first row and first column inside a CTA tile.
+        wg_r0 = wg * _WG_M if cfg.wg_split == "m" else 0
+        wg_c0 = wg * wg_n if cfg.wg_split == "n" else 0
 
-        def tile(lin):
-            """This warpgroup's view of work item ``lin`` (K slice fastest, then column, then row tile)."""
-            split, rest = lin % ks, lin // ks
-            mi, ni = rest // n_tiles, rest % n_tiles
+        def tile(lin, first_tile, num_row_tiles):
+            """This warpgroup's view of work item ``lin`` (a cluster's item: this CTA's column tile)."""
+            split, mi, ni = _work_item(lin, first_tile, num_row_tiles, n_tiles // cfg.cluster_n, cfg)
+            if cfg.cluster_n > 1:
+                ni = ni * cfg.cluster_n + lax.axis_index("cluster")
             row0 = pl.multiple_of(meta_gmem[ROW0, mi], tm)  # tiles start on tile_m boundaries
-            if cfg.wg_split == "m":
-                wg_rows = pl.ds(pl.multiple_of(wg * _WG_M, _WG_M), _WG_M)
-                wg_row0, n_blk, col0 = row0 + wg * _WG_M, ni, ni * tn
-            else:
-                wg_rows = pl.ds(0, _WG_M)
-                wg_row0, n_blk, col0 = row0, ni * _NUM_COMPUTE_WGS + wg, ni * tn + wg * _WG_N
+            col0 = ni * tn + wg_c0
             return dict(g=meta_gmem[GROUP, mi], row0=row0, lo=meta_gmem[LO, mi], hi=meta_gmem[HI, mi], ni=ni,
-                        split=split, wg_rows=wg_rows, wg_row0=wg_row0, n_blk=n_blk, col0=col0)
+                        split=split, wg_row0=row0 + wg_r0, n_blk=col0 // _SCALE_N, col0=col0)
 
-        def store(acc, t):
+        def store(accs, t):
             """Write this warpgroup's valid rows of the tile (a ladder of power-of-two TMA stores), in
             ``epi``-column chunks through shared memory."""
             o_smem = out_smem.at[wg]
             r_lo = jnp.clip(t["lo"] - t["wg_row0"], 0, _WG_M)
             size = jnp.clip(t["hi"] - t["wg_row0"], 0, _WG_M) - r_lo
-            for c in range(_WG_N // epi):
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last stores done reading
-                o_smem[...] = acc[:, c * epi:(c + 1) * epi].astype(out_dtype)
-                plgpu.commit_smem()
-                store_rows(o_smem, out_gmem.at[t["split"]], t["wg_row0"], r_lo, size, t["col0"] + c * epi,
-                           _WG_M)
+            for j, acc in enumerate(accs):
+                for c in range(_SCALE_N // epi):
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last stores done reading
+                    o_smem[...] = acc[:, c * epi:(c + 1) * epi].astype(out_dtype)
+                    plgpu.commit_smem()
+                    store_rows(o_smem, out_gmem.at[t["split"]], t["wg_row0"], r_lo, size,
+                               t["col0"] + j * _SCALE_N + c * epi, _WG_M)
 
-        @plgpu.nd_loop((n_real * n_tiles * ks,), collective_axes="sm")
+        def zero_accs():
+            zero = jnp.full((_WG_M, _SCALE_N), 0, dtype=jnp.float32)
+            return tuple(plgpu.layout_cast(zero, plgpu.Layout.WGMMA) for _ in range(n_parts))
+
+        items = n_tiles // cfg.cluster_n * ks  # per row tile, per cluster
+
+        @plgpu.nd_loop((n_real * items,), collective_axes="sm")
         def _matmuls(info: plgpu.NDLoopInfo):
             (lin,) = info.index
-            t = tile(lin)
-            g, wg_rows, kb0 = t["g"], t["wg_rows"], t["split"] * k_steps
+            t = tile(lin, 0, n_real)
+            g, kb0 = t["g"], t["split"] * k_steps
+            wg_rows = pl.ds(_aligned(wg_r0, _WG_M), _WG_M)
 
             def ctx(eval_pipeline):
-                acc0 = plgpu.layout_cast(jnp.full((_WG_M, _WG_N), 0, dtype=jnp.float32), plgpu.Layout.WGMMA)
-                store(eval_pipeline(acc0), t)
+                store(eval_pipeline(zero_accs()), t)
 
-            def step(idxs, x_smem, w_smem, xs_smem, acc):
+            def step(idxs, x_smem, w_smem, xs_smem, accs):
                 (k,) = idxs
-                if cfg.wg_split == "m":
-                    b = w_smem.transpose((1, 0))
-                else:
-                    b = w_smem.at[pl.ds(pl.multiple_of(wg * _WG_N, _WG_N), _WG_N)].transpose((1, 0))
-
-                # Scales are loaded before the wgmma is issued so their latency hides behind it.
+                # Scales are loaded before the wgmmas are issued so their latency hides behind them.
                 x_scale = plgpu.load(xs_smem.at[0, wg_rows], layout=plgpu.Layout.WGMMA.reduce(1))
-                scale = x_scale * ws_gmem[g, t["n_blk"], kb0 + k]
+                scales = [x_scale * ws_gmem[g, t["n_blk"] + j, kb0 + k] for j in range(n_parts)]
+                out = []
+                for j in range(n_parts):
+                    b_rows = pl.ds(_aligned(wg_c0 + j * _SCALE_N, _SCALE_N), _SCALE_N)
+                    b = w_smem.at[b_rows].transpose((1, 0))
 
-                def block_product(acc_ref):
-                    plgpu.wgmma(acc_ref, x_smem.at[wg_rows], b)
-                    return acc_ref[...]
+                    def block_product(acc_ref, b=b):
+                        plgpu.wgmma(acc_ref, x_smem.at[wg_rows], b)
+                        return acc_ref[...]
 
-                part = pl.run_scoped(block_product, plgpu.ACC((_WG_M, _WG_N), jnp.float32))
-                return acc + part * lax.broadcast_in_dim(scale, (_WG_M, _WG_N), [0])
+                    part = pl.run_scoped(block_product, plgpu.ACC((_WG_M, _SCALE_N), jnp.float32))
+                    out.append(accs[j] + part * lax.broadcast_in_dim(scales[j], (_WG_M, _SCALE_N), [0]))
+                return tuple(out)
 
             k0 = pl.multiple_of(kb0 * _BK, _BK)
             refs = (x_gmem.at[pl.ds(t["row0"], tm), pl.ds(k0, k_len)],
@@ -235,15 +282,14 @@ def _kernel_body(
                     xs_gmem.at[pl.ds(kb0, k_steps), pl.ds(t["row0"], tm)])
             run_tile_pipeline(make_pipeline, step, ctx, refs, allocs, info, chain)
 
-        @plgpu.nd_loop((n_tail * n_tiles * ks,), collective_axes="sm")
+        @plgpu.nd_loop((n_tail * items,), collective_axes="sm")
         def _zero_tail(info: plgpu.NDLoopInfo):
             (lin,) = info.index
-            t = tile(lin + n_real * n_tiles * ks)
+            t = tile(lin, n_real, n_tail)
 
             @pl.when(wg < _NUM_COMPUTE_WGS)
             def _():
-                zeros = plgpu.layout_cast(jnp.full((_WG_M, _WG_N), 0, dtype=jnp.float32), plgpu.Layout.WGMMA)
-                store(zeros, t)
+                store(zero_accs(), t)
 
         plgpu.wait_smem_to_gmem(0)
 
@@ -305,12 +351,12 @@ def fp8_grouped_gemm(
 
     # Pad only odd shapes (DeepSeek's are all multiples of 128): K to a whole scale block, N to a
     # whole tile, M to at least one tile. Padding is zeros, which adds nothing to the products.
-    kp, np_ = round_up(k, _BK), round_up(n, cfg.tile_n)
+    kp, np_ = round_up(k, _BK), round_up(n, cfg.tile_n * cfg.cluster_n)
     mp = max(m, cfg.tile_m)
     x = pad_axis(pad_axis(x_fp8, 1, kp), 0, mp)
     w = pad_axis(w_fp8, 1, np_) if np_ != n else w_fp8
     w = pad_axis(w, 2, kp)
-    ws = pad_axis(w_scale.astype(jnp.float32), 1, np_ // _WG_N)
+    ws = pad_axis(w_scale.astype(jnp.float32), 1, np_ // _SCALE_N)
     # Scales transposed to [Kb, M] so one TMA copy brings a K block's scales for a whole row tile.
     xs = pad_axis(x_scale.astype(jnp.float32).T, 1, round_up(mp, cfg.tile_m))
     meta, _ = tile_metadata(group_sizes, mp, cfg.tile_m)
@@ -324,8 +370,11 @@ def fp8_grouped_gemm(
     kernel = plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((cfg.k_splits, mp, np_), kernel_dtype),
-        grid=(2 if interpret else num_sms(),),
+        # Persistent: one CTA per SM (clusters of cluster_n CTAs); two "SMs" when interpreted.
+        grid=((2 if interpret else num_sms()) // cfg.cluster_n,),
         grid_names=("sm",),
+        cluster=(cfg.cluster_n,) if cfg.cluster_n > 1 else (),
+        cluster_names=("cluster",) if cfg.cluster_n > 1 else (),
         num_threads=_NUM_COMPUTE_WGS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),

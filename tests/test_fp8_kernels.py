@@ -18,6 +18,7 @@ from pallas_kernels.fp8_gemm import (
     DECODE_CONFIG,
     PREFILL_CONFIG,
     Fp8GemmConfig,
+    _work_item,
     default_config,
     dense_config,
     fp8_gemm,
@@ -155,6 +156,15 @@ def _assert_close(out, ref):
         # chained tile pipelines over several tiles per CTA (interpret mode runs 2 "SMs")
         (Fp8GemmConfig(wg_split="m", max_concurrent_steps=2, chain=True), (600, 256, 256),
          [100, 0, 300, 1, 150]),
+        # 256 columns per warpgroup (two promotions per K step), bands of 3 row tiles (the last one
+        # short), chained
+        (Fp8GemmConfig(wg_split="m", max_concurrent_steps=2, chain=True, wg_n=256, band=3), (600, 256, 512),
+         [100, 0, 300, 1, 150]),
+        # decode tiling 64 x 512, N padded inside, bands of 2
+        (Fp8GemmConfig(wg_split="n", max_concurrent_steps=2, wg_n=256, band=2), (90, 256, 600), [20, 0, 63]),
+        # a 2-CTA cluster sharing the activation tile by TMA multicast; N padded to two tiles
+        (Fp8GemmConfig(wg_split="m", max_concurrent_steps=2, wg_n=256, band=2, cluster_n=2), (300, 256, 300),
+         [100, 0, 150, 7]),
     ],
 )
 def test_grouped_gemm_matches_reference(config, shape, sizes):
@@ -169,6 +179,16 @@ def test_grouped_gemm_matches_reference(config, shape, sizes):
     assert out.shape == (m, n)
     _assert_close(out, ref)
     np.testing.assert_array_equal(np.asarray(out[total:]), 0.0)
+
+
+@pytest.mark.parametrize("band,ks,n_tiles,rows", [(1, 1, 5, 7), (3, 1, 5, 7), (4, 2, 3, 9), (8, 1, 2, 3)])
+def test_work_order_visits_every_item_once(band, ks, n_tiles, rows):
+    cfg = Fp8GemmConfig(band=band, k_splits=ks)
+    seen = [tuple(int(v) for v in _work_item(jnp.int32(lin), 10, jnp.int32(rows), n_tiles, cfg))
+            for lin in range(rows * n_tiles * ks)]
+    assert sorted(seen) == [(s, 10 + m, n) for s in range(ks) for m in range(rows) for n in range(n_tiles)]
+    if band > 1:  # inside a band, neighbouring items share a column (weight) tile
+        assert seen[0][2] == seen[ks][2] and seen[0][1] != seen[ks][1]
 
 
 def test_dense_gemm_and_linears_match_reference():
@@ -236,7 +256,9 @@ def _sampled_rel_err(out, xq, xs, wq, ws, sizes, experts):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("k,n", [(7168, 4096), (2048, 7168)])
-@pytest.mark.parametrize("m,config", [(16384, PREFILL_CONFIG), (512, DECODE_CONFIG), (512, PREFILL_CONFIG)])
+@pytest.mark.parametrize("m,config", [(16384, PREFILL_CONFIG), (512, DECODE_CONFIG), (512, PREFILL_CONFIG),
+                                      (16384, Fp8GemmConfig("m", 4, wg_n=256, band=8, cluster_n=2)),
+                                      (512, Fp8GemmConfig("m", 4, wg_n=256, band=2, chain=True))])
 def test_grouped_gemm_deepseek_shapes_gpu(k, n, m, config):
     e = 256
     sizes = _skewed_sizes(m, e, seed=k + m)
@@ -254,7 +276,9 @@ def test_grouped_gemm_deepseek_shapes_gpu(k, n, m, config):
                                           (DECODE_CONFIG, 512, 2048, 7168),
                                           (Fp8GemmConfig("n", 4, k_splits=2), 64, 7168, 4096),
                                           (Fp8GemmConfig("n", 4, k_splits=8), 8, 2048, 7168),
-                                          (Fp8GemmConfig("m", 4, chain=True), 16384, 7168, 4096)])
+                                          (Fp8GemmConfig("m", 4, chain=True), 16384, 7168, 4096),
+                                          (Fp8GemmConfig("m", 4, wg_n=256, band=8, cluster_n=2, chain=True),
+                                           16384, 2048, 7168)])
 def test_grouped_gemm_lowers_for_hopper_at_deepseek_shapes(config, m, k, n):
     """Ahead-of-time lowering for CUDA (no GPU needed) runs Mosaic GPU's layout inference and its shared
     memory check for each tiling, split-K included."""
