@@ -523,8 +523,20 @@ def config_label(cfg: Fp8GemmConfig) -> str:
     """A short name for an FP8 tiling: split/stages, then only what differs from the defaults."""
     return (f"{cfg.wg_split}/{cfg.max_concurrent_steps}" + (f"/w{cfg.wg_n}" if cfg.wg_n != 128 else "")
             + (f"/b{cfg.band}" if cfg.band != 1 else "") + (f"/c{cfg.cluster_n}" if cfg.cluster_n != 1 else "")
-            + ("/chain" if cfg.chain else "")
-            + (f"/ks{cfg.k_splits}" if cfg.k_splits != 1 else ""))
+            + ("/chain" if cfg.chain else "") + (f"/ks{cfg.k_splits}" if cfg.k_splits != 1 else ""))
+
+
+def parse_config(label: str) -> Fp8GemmConfig:
+    """The inverse of ``config_label``: ``m/4/w256/b2/c2/chain/ks2``."""
+    split, stages, *opts = label.split("/")
+    kw: dict = {}
+    for o in opts:
+        if o == "chain":
+            kw["chain"] = True
+        else:
+            key = {"w": "wg_n", "b": "band", "c": "cluster_n", "ks": "k_splits"}[o.rstrip("0123456789")]
+            kw[key] = int(o.lstrip("wbcks"))
+    return Fp8GemmConfig(split, int(stages), **kw)
 
 
 # Issue 17, round three: the tile width per warpgroup and the band work order, at large M.
@@ -542,7 +554,7 @@ TILE_CONFIGS = (
 )
 
 
-def tiles_main(results, save_fn, torch_peer: bool, configs=TILE_CONFIGS) -> None:
+def tiles_main(results, save_fn, torch_peer: bool, configs=TILE_CONFIGS, only=None) -> None:
     """Each tiling at large M: the grouped GEMM at 65,536 uniform rows (gate_up, down) beside torch's
     fp8 rowwise grouped GEMM, and the dense GEMM at 8192^3 and at M=4096 on the attention shapes beside
     cuBLAS fp8, all in one run. Median of 10 samples of ``INNER`` back-to-back calls, with min/max."""
@@ -551,6 +563,7 @@ def tiles_main(results, save_fn, torch_peer: bool, configs=TILE_CONFIGS) -> None
     cases = [(f"prefill {shape} M=65536 uniform", 65536, k, n, E) for shape, (k, n) in SHAPES.items()]
     cases += [("dense 8192x8192x8192", 8192, 8192, 8192, 0)]
     cases += [(f"dense fp8 M=4096 K={k} N={n}", 4096, k, n, 0) for k, n in DENSE_SHAPES]
+    cases = [c for c in cases if not only or any(o in c[0] for o in only)]
     for name, m, k, n, e in cases:
         kx, kw = jax.random.split(jax.random.key(m + n + k))
         x = jax.random.normal(kx, (m, k), jnp.bfloat16)
@@ -611,6 +624,8 @@ def main() -> None:
                     help="only FP8 prefill (uniform, 65,536 rows) and dense 8192^3, chained vs not, with peers")
     ap.add_argument("--tiles", action="store_true",
                     help="only the tile width / work order sweep at large M, grouped and dense, with peers")
+    ap.add_argument("--configs", default="", help="--tiles: FP8 tilings as labels, e.g. m/4/w256/b2,m/4")
+    ap.add_argument("--cases", default="", help="--tiles: only cases whose name contains one of these")
     ap.add_argument("--rows", default="64,8,128", help="--small-m: rows per step (above 128: defaults only)")
     ap.add_argument("--kinds", default="bf16,fp8", help="--small-m: which kernels")
     ap.add_argument("--no-dense", action="store_true", help="--small-m: skip the dense FP8 GEMM shapes")
@@ -637,7 +652,9 @@ def main() -> None:
         save(args.out, meta, results)
         return
     if args.tiles:
-        tiles_main(results, lambda: save(args.out, meta, results), not args.no_torch)
+        configs = [parse_config(c) for c in args.configs.split(",")] if args.configs else TILE_CONFIGS
+        cases = args.cases.split(",") if args.cases else None
+        tiles_main(results, lambda: save(args.out, meta, results), not args.no_torch, configs, cases)
         save(args.out, meta, results)
         return
     if args.small_m:

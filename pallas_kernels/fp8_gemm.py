@@ -33,6 +33,7 @@ from pallas_kernels.group_tiles import (
     HI,
     LO,
     ROW0,
+    dense_tile_metadata,
     num_sms,
     pad_axis,
     round_up,
@@ -107,8 +108,17 @@ class Fp8GemmConfig:
         return self.wg_n * (_NUM_COMPUTE_WGS if self.wg_split == "n" else 1)
 
 
-PREFILL_CONFIG = Fp8GemmConfig(wg_split="m", max_concurrent_steps=4)
+# Measured on the H200 at 65,536 rows over 256 experts (benchmarks/RESULTS.md, "round three"): the
+# 128x256 tile in bands of 2 row tiles is 1.19-1.28x the 128x128 row-major tile.
+PREFILL_CONFIG = Fp8GemmConfig(wg_split="m", max_concurrent_steps=4, wg_n=256, band=2)
 DECODE_CONFIG = Fp8GemmConfig(wg_split="n", max_concurrent_steps=4)  # 6 stages exceed 227 KiB smem
+# Dense GEMMs with many tiles: 128x256 in bands of 8 row tiles (8192^3: 1.29x the 128x128 row-major
+# tile, whose order streams the whole weight from HBM for every two row tiles).
+DENSE_CONFIG = Fp8GemmConfig(wg_split="m", max_concurrent_steps=4, wg_n=256, band=8)
+# Dense GEMMs with too few 128x256 tiles for two waves (M=4096 x N=1536: 192 tiles on 132 SMs).
+NARROW_CONFIG = Fp8GemmConfig(wg_split="m", max_concurrent_steps=4)
+
+
 def default_config(num_rows: int, num_groups: int) -> Fp8GemmConfig:
     """Pick the prefill tiling when groups average at least 64 rows, the decode tiling otherwise.
 
@@ -117,16 +127,22 @@ def default_config(num_rows: int, num_groups: int) -> Fp8GemmConfig:
     return PREFILL_CONFIG if num_rows >= 64 * num_groups else DECODE_CONFIG
 
 
+def _num_items(cfg: Fp8GemmConfig, num_rows: int, n: int) -> int:
+    return -(-num_rows // cfg.tile_m) * -(-n // cfg.tile_n)
+
+
 def dense_config(num_rows: int, n: int, k: int) -> Fp8GemmConfig:
-    """Tiling of the dense GEMM (one group). The prefill tiling while its (row tile, column tile) items
-    fill at least half the SMs; otherwise (a few rows times a narrow N: decode's attention projections)
-    the decode tiling with K split until the items cover every SM, using the smallest split (at most
-    16, dividing the K blocks) that does, else the largest there is. Measured on the H200 at M = 1 and
-    64: 1.3-1.5x faster than the prefill tiling where it splits (N = 1536 and 7168)."""
-    items = -(-num_rows // PREFILL_CONFIG.tile_m) * -(-n // PREFILL_CONFIG.tile_n)
-    if 2 * items >= num_sms():
-        return PREFILL_CONFIG
-    items = -(-num_rows // DECODE_CONFIG.tile_m) * -(-n // DECODE_CONFIG.tile_n)
+    """Tiling of the dense GEMM (one group): ``DENSE_CONFIG`` when its tiles make two waves over the SMs;
+    else ``NARROW_CONFIG`` while its tiles fill at least half the SMs; otherwise (a few rows times a
+    narrow N: decode's attention projections) the decode tiling with K split until the items cover every
+    SM, using the smallest split (at most 16, dividing the K blocks) that does, else the largest there
+    is. Measured on the H200 at M = 1 and 64: 1.3-1.5x faster than the unsplit tiling where it splits
+    (N = 1536 and 7168)."""
+    if _num_items(DENSE_CONFIG, num_rows, n) >= 2 * num_sms():
+        return DENSE_CONFIG
+    if 2 * _num_items(NARROW_CONFIG, num_rows, n) >= num_sms():
+        return NARROW_CONFIG
+    items = _num_items(DECODE_CONFIG, num_rows, n)
     splits = [d for d in range(1, 17) if num_blocks(k) % d == 0]
     enough = [d for d in splits if items * d >= num_sms()]
     return dataclasses.replace(DECODE_CONFIG, k_splits=enough[0] if enough else splits[-1])
@@ -341,14 +357,24 @@ def fp8_grouped_gemm(
       ``[M, N]`` in ``out_dtype``.
     """
     _check_inputs(x_fp8, x_scale, w_fp8, w_scale, group_sizes)
+    m, e = x_fp8.shape[0], w_fp8.shape[0]
+
+    def row_tiles(padded_rows: int, tile_m: int):
+        meta, _ = tile_metadata(group_sizes, padded_rows, tile_m)
+        # Padding rows (padded_rows > m) belong to the zero tail: the group sizes sum to at most m.
+        return meta, tile_counts(meta, e)
+
+    return _launch(x_fp8, x_scale, w_fp8, w_scale, row_tiles, out_dtype=jnp.dtype(out_dtype),
+                   cfg=config or default_config(m, e), interpret=resolve_interpret(interpret))
+
+
+def _launch(x_fp8, x_scale, w_fp8, w_scale, row_tiles, *, out_dtype, cfg: Fp8GemmConfig, interpret: bool):
+    """Pad, lay out the scales, and run the kernel; ``row_tiles(padded_rows, tile_m)`` gives the row
+    tiles' ``(meta, counts)`` (``group_tiles.tile_metadata`` / ``tile_counts``)."""
     m, k = x_fp8.shape
-    e, n, _ = w_fp8.shape
-    out_dtype = jnp.dtype(out_dtype)
+    n = w_fp8.shape[1]
     if m == 0:
         return jnp.zeros((0, n), out_dtype)
-    cfg = config or default_config(m, e)
-    interpret = resolve_interpret(interpret)
-
     # Pad only odd shapes (DeepSeek's are all multiples of 128): K to a whole scale block, N to a
     # whole tile, M to at least one tile. Padding is zeros, which adds nothing to the products.
     kp, np_ = round_up(k, _BK), round_up(n, cfg.tile_n * cfg.cluster_n)
@@ -359,9 +385,7 @@ def fp8_grouped_gemm(
     ws = pad_axis(w_scale.astype(jnp.float32), 1, np_ // _SCALE_N)
     # Scales transposed to [Kb, M] so one TMA copy brings a K block's scales for a whole row tile.
     xs = pad_axis(x_scale.astype(jnp.float32).T, 1, round_up(mp, cfg.tile_m))
-    meta, _ = tile_metadata(group_sizes, mp, cfg.tile_m)
-    # Padding rows (mp > m) belong to the zero tail: the group sizes still sum to at most m.
-    counts = tile_counts(meta, e)
+    meta, counts = row_tiles(mp, cfg.tile_m)
     if (kp // _BK) % cfg.k_splits:
         raise ValueError(f"k_splits={cfg.k_splits} does not divide K={kp} into whole {_BK}-wide blocks")
     kernel_dtype = jnp.dtype(jnp.float32) if cfg.k_splits > 1 else out_dtype
@@ -384,6 +408,7 @@ def fp8_grouped_gemm(
     return planes[0] if cfg.k_splits == 1 else jnp.sum(planes, axis=0).astype(out_dtype)
 
 
+@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))
 def fp8_gemm(
     x_fp8: jax.Array,
     x_scale: jax.Array,
@@ -394,22 +419,23 @@ def fp8_gemm(
     config: Fp8GemmConfig | None = None,
     interpret: bool | None = None,
 ) -> jax.Array:
-    """Dense FP8 GEMM ``x [M, K] @ w [N, K].T`` with block scales (the grouped kernel, one group)."""
+    """Dense FP8 GEMM ``x [M, K] @ w [N, K].T`` with block scales: the grouped kernel with one group,
+    its row tiles computed on the host (``group_tiles.dense_tile_metadata``)."""
     if w_fp8.ndim != 2:
         raise ValueError(f"w_fp8 must be [N, K], got shape {w_fp8.shape}")
     if w_scale.ndim != 2:
         raise ValueError(f"w_scale must be [ceil(N/128), ceil(K/128)], got shape {w_scale.shape}")
     m = x_fp8.shape[0]
-    return fp8_grouped_gemm(
-        x_fp8,
-        x_scale,
-        w_fp8[None],
-        w_scale[None],
-        jnp.full((1,), m, jnp.int32),
-        out_dtype=out_dtype,
-        config=config or dense_config(m, w_fp8.shape[0], w_fp8.shape[1]),
-        interpret=interpret,
-    )
+    _check_inputs(x_fp8, x_scale, w_fp8[None], w_scale[None], jnp.zeros((1,), jnp.int32))
+
+    def row_tiles(padded_rows: int, tile_m: int):
+        del padded_rows  # rows past m are padding, sliced off: no zero tail needed
+        meta, counts = dense_tile_metadata(m, tile_m)
+        return jnp.asarray(meta), jnp.asarray(counts)
+
+    return _launch(x_fp8, x_scale, w_fp8[None], w_scale[None], row_tiles, out_dtype=jnp.dtype(out_dtype),
+                   cfg=config or dense_config(m, w_fp8.shape[0], w_fp8.shape[1]),
+                   interpret=resolve_interpret(interpret))
 
 
 def fp8_linear(

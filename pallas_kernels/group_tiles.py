@@ -6,7 +6,8 @@ rows (``store_rows``, a power-of-two ladder of TMA stores), how a persistent CTA
 chains) its tiles' K pipelines (``run_tile_pipeline``), the plain-jnp segment matmul over such
 tiles that both references use (``segment_matmul``: the bf16 reference and the FP8 one, which
 dequantizes one group's weight per tile), and the few shape helpers both kernels share
-(``round_up``, ``pad_axis``, ``num_sms``). Must not know about dtypes, scales, tilings of N/K or the
+(``round_up``, ``pad_axis``, ``num_sms``), and the host-side row tiles of a dense GEMM
+(``dense_tile_metadata``). Must not know about dtypes, scales, tilings of N/K or the
 model.
 """
 
@@ -17,6 +18,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -64,6 +66,17 @@ def tile_counts(meta: jax.Array, num_groups: int) -> jax.Array:
     real = jnp.sum(used & (meta[GROUP] < num_groups))
     tail = jnp.sum(used & (meta[GROUP] == num_groups))
     return jnp.stack([real, tail]).astype(jnp.int32)
+
+
+def dense_tile_metadata(num_rows: int, tile_m: int) -> tuple[np.ndarray, np.ndarray]:
+    """``tile_metadata`` and ``tile_counts`` of a single group of ``num_rows`` rows, computed on the host:
+    a dense GEMM's row tiles are known at trace time, so they enter the program as constants instead of
+    as several small device ops per call (which at a few rows cost as much as streaming the weight).
+    No zero-tail tiles: padding rows past ``num_rows`` are left unwritten and the caller drops them."""
+    real = -(-num_rows // tile_m)
+    row0 = np.arange(real, dtype=np.int32) * tile_m
+    meta = np.stack([np.zeros_like(row0), row0, row0, np.minimum(row0 + tile_m, num_rows)]).astype(np.int32)
+    return meta, np.array([real, 0], np.int32)
 
 
 def store_rows(o_smem, out_gmem, row_base, start, size, col0, max_rows: int) -> None:

@@ -16,6 +16,8 @@ import pytest
 
 from pallas_kernels.fp8_gemm import (
     DECODE_CONFIG,
+    DENSE_CONFIG,
+    NARROW_CONFIG,
     PREFILL_CONFIG,
     Fp8GemmConfig,
     _work_item,
@@ -40,7 +42,7 @@ from pallas_kernels.fp8_reference import (
     fp8_grouped_linear_reference,
     fp8_linear_reference,
 )
-from pallas_kernels.group_tiles import tile_metadata
+from pallas_kernels.group_tiles import dense_tile_metadata, tile_metadata
 
 
 def _rand(seed, shape, scale=1.0):
@@ -191,6 +193,24 @@ def test_work_order_visits_every_item_once(band, ks, n_tiles, rows):
         assert seen[0][2] == seen[ks][2] and seen[0][1] != seen[ks][1]
 
 
+@pytest.mark.parametrize("m,tile_m", [(1, 128), (64, 128), (128, 128), (4096, 128), (200, 64), (130, 128)])
+def test_dense_row_tiles_are_host_constants_matching_tile_metadata(m, tile_m):
+    meta, counts = dense_tile_metadata(m, tile_m)
+    ref = np.asarray(tile_metadata(jnp.array([m], jnp.int32), max(m, tile_m), tile_m)[0])
+    assert counts[0] == -(-m // tile_m) and counts[1] == 0  # padding rows are sliced off, not zeroed
+    np.testing.assert_array_equal(meta, ref[:, :counts[0]])
+
+
+def test_dense_gemm_program_has_no_tile_lookup():
+    x = jax.ShapeDtypeStruct((64, 7168), FP8_DTYPE)
+    xs = jax.ShapeDtypeStruct((64, 56), jnp.float32)
+    w = jax.ShapeDtypeStruct((1536, 7168), FP8_DTYPE)
+    ws = jax.ShapeDtypeStruct((12, 56), jnp.float32)
+    f = jax.jit(lambda *a: fp8_gemm(*a, interpret=False))
+    text = f.trace(x, xs, w, ws).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text and "searchsorted" not in text and "cumsum" not in text
+
+
 def test_dense_gemm_and_linears_match_reference():
     x = _rand(5, (65, 256), 1.5).astype(jnp.bfloat16)
     wq, ws = quantize_weight(_rand(6, (128, 256), 0.05))
@@ -258,7 +278,8 @@ def _sampled_rel_err(out, xq, xs, wq, ws, sizes, experts):
 @pytest.mark.parametrize("k,n", [(7168, 4096), (2048, 7168)])
 @pytest.mark.parametrize("m,config", [(16384, PREFILL_CONFIG), (512, DECODE_CONFIG), (512, PREFILL_CONFIG),
                                       (16384, Fp8GemmConfig("m", 4, wg_n=256, band=8, cluster_n=2)),
-                                      (512, Fp8GemmConfig("m", 4, wg_n=256, band=2, chain=True))])
+                                      (512, Fp8GemmConfig("m", 4, wg_n=256, band=2, chain=True)),
+                                      (16384, NARROW_CONFIG)])
 def test_grouped_gemm_deepseek_shapes_gpu(k, n, m, config):
     e = 256
     sizes = _skewed_sizes(m, e, seed=k + m)
@@ -298,11 +319,12 @@ def test_default_config_by_rows_per_expert():
 
 
 def test_dense_config_splits_k_until_every_sm_has_work():
-    assert dense_config(4096, 7168, 7168) == PREFILL_CONFIG
+    assert dense_config(4096, 7168, 7168) == DENSE_CONFIG  # 32 x 28 wide tiles: two waves and more
+    assert dense_config(4096, 1536, 7168) == NARROW_CONFIG  # 192 wide tiles would leave a half wave
     one_row = dense_config(1, 1536, 7168)  # 6 column tiles, 56 K blocks: the largest split <= 16 is 14
     assert one_row.wg_split == "n" and one_row.k_splits == 14
     assert dense_config(64, 7168, 16384).k_splits == 8  # 28 tiles x 8 >= 132 SMs
-    assert dense_config(64, 24576, 1536) == PREFILL_CONFIG  # 192 prefill tiles already fill the SMs
+    assert dense_config(64, 24576, 1536) == NARROW_CONFIG  # 192 128x128 tiles already fill the SMs
 
 
 def test_grouped_reference_never_uses_ragged_dot_nor_dequantizes_every_expert():
