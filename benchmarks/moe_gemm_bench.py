@@ -34,7 +34,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.fp8_gemm import DECODE_CONFIG, PREFILL_CONFIG, Fp8GemmConfig, fp8_gemm, fp8_grouped_gemm
+from pallas_kernels.fp8_gemm import (
+    DECODE_CONFIG,
+    DENSE_CONFIG,
+    NARROW_CONFIG,
+    PREFILL_CONFIG,
+    Fp8GemmConfig,
+    fp8_gemm,
+    fp8_grouped_gemm,
+)
 from pallas_kernels.fp8_quant import FP8_DTYPE, quantize_act
 from pallas_kernels.grouped_gemm import DECODE_CONFIG as BF16_DECODE
 from pallas_kernels.grouped_gemm import PREFILL_CONFIG as BF16_PREFILL
@@ -443,6 +451,10 @@ def small_m_main(results, save_fn, torch_peer: bool, rows=(64, 8, 128), kinds=("
     alike); ``ms_sync`` is one synchronised call (what a lone call costs with dispatch)."""
     from pallas_kernels.group_tiles import tile_metadata
 
+    if list(kinds) == ["dense"]:  # only the dense FP8 GEMM's shapes
+        dense_small_m(results, torch_peer)
+        save_fn()
+        return
     bf16_cfgs = [BF16_DECODE, dataclasses.replace(BF16_DECODE, k_splits=2),
                  dataclasses.replace(BF16_DECODE, k_splits=4),
                  GroupedGemmConfig(64, 64, "n", 6, k_splits=2)]
@@ -479,8 +491,8 @@ DENSE_SHAPES = ((7168, 1536), (1536, 24576), (16384, 7168))
 
 
 def dense_small_m(results, torch_peer: bool) -> None:
-    """Issue 17 item 4 at real shapes: the dense FP8 GEMM with its default tiling (split-K below
-    SMALL_M_ROWS rows) beside the unsplit prefill tiling and cuBLAS fp8 (tensorwise) on the same bytes."""
+    """Issue 17 item 4 at real shapes: the dense FP8 GEMM with its default tiling (``dense_config``) beside
+    the two unsplit tilings and cuBLAS fp8 (tensorwise) on the same bytes."""
     from pallas_kernels.fp8_gemm import dense_config
 
     for m in (1, 64, 4096):
@@ -490,9 +502,9 @@ def dense_small_m(results, torch_peer: bool) -> None:
             xq, xs = quantize_act(jax.random.normal(kx, (m, k), jnp.bfloat16))
             wq, ws = random_fp8_weights(kw, 1, n, k)
             flops = 2.0 * m * n * k
-            cfgs = {dense_config(m, n, k), PREFILL_CONFIG}
+            cfgs = {dense_config(m, n, k), NARROW_CONFIG, DENSE_CONFIG}
             for cfg in sorted(cfgs, key=str):
-                label = f"pallas fp8_gemm {cfg.wg_split}/{cfg.max_concurrent_steps}/ks{cfg.k_splits}"
+                label = "pallas fp8_gemm " + config_label(cfg)
                 f = jax.jit(lambda a, b, c, d, cfg=cfg: fp8_gemm(a, b, c, d, config=cfg))
                 try:
                     out = jax.block_until_ready(f(xq, xs, wq[0], ws[0]))
@@ -627,7 +639,7 @@ def main() -> None:
     ap.add_argument("--configs", default="", help="--tiles: FP8 tilings as labels, e.g. m/4/w256/b2,m/4")
     ap.add_argument("--cases", default="", help="--tiles: only cases whose name contains one of these")
     ap.add_argument("--rows", default="64,8,128", help="--small-m: rows per step (above 128: defaults only)")
-    ap.add_argument("--kinds", default="bf16,fp8", help="--small-m: which kernels")
+    ap.add_argument("--kinds", default="bf16,fp8", help="--small-m: which kernels (bf16, fp8; or only 'dense')")
     ap.add_argument("--no-dense", action="store_true", help="--small-m: skip the dense FP8 GEMM shapes")
     args = ap.parse_args()
     results: list[dict] = []

@@ -7,12 +7,15 @@ the tensor cores into a fresh fp32 accumulator, then promoted into the running f
 ``x_scale[row, kb] * w_scale[nb, kb]`` applied on the CUDA cores, so the result equals
 dequantize-then-matmul up to fp32 rounding. No model knowledge here: arrays in, arrays out.
 
-Kernel shape: persistent CTAs (one per SM) walk (row tile, column tile) work items; each CTA runs three
-warpgroups, one issuing TMA loads (warp specialization) and two issuing wgmma. The B operand is the
-weight tile ``(N, K)`` read K-major, which is what FP8 wgmma requires. Row tiles never straddle two
-experts: the tile list is built outside the kernel (``group_tiles.tile_metadata``, shared with the bf16
-``grouped_gemm``) so each tile knows its expert and its valid row range, and the epilogue stores only
-those rows (``group_tiles.store_rows``, a power-of-two ladder of TMA stores).
+Kernel shape: persistent CTAs (one per SM) walk (row tile, column tile) work items, in bands of a few
+row tiles so that the SMs busy at one time share weight tiles in L2; each CTA runs three warpgroups, one
+issuing TMA loads (warp specialization) and two issuing wgmma, each on a 64 x 128 or 64 x 256 block
+(``Fp8GemmConfig``; prefill and large dense GEMMs use the 128 x 256 CTA tile, decode 64 x 256). The B
+operand is the weight tile ``(N, K)`` read K-major, which is what FP8 wgmma requires. Row tiles never
+straddle two experts: the tile list is built outside the kernel (``group_tiles.tile_metadata``, shared
+with the bf16 ``grouped_gemm``; for the dense GEMM on the host) so each tile knows its expert and its
+valid row range, and the epilogue stores only those rows (``group_tiles.store_rows``, a power-of-two
+ladder of TMA stores).
 Rows at or past ``sum(group_sizes)`` are written as zeros.
 """
 
