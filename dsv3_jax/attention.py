@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from dsv3_jax import dp_attention, kernels
-from dsv3_jax.cache import PageMeta, gather_pages, write_pages
+from dsv3_jax.cache import PageMeta, gather_pages, layer_view, write_pages
 from dsv3_jax.config import ModelConfig
 from dsv3_jax.layers import Linear, RMSNorm
 from dsv3_jax.rope import apply_rope, rope_angles
@@ -60,12 +60,15 @@ class MLA(nn.Module):
         return w.reshape(c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
 
     def __call__(self, x: jax.Array, positions: jax.Array, cache: dict | None = None,
-                 meta: PageMeta | None = None, form: str = "absorbed") -> tuple[jax.Array, dict | None]:
+                 meta: PageMeta | None = None, form: str = "absorbed",
+                 layer: jax.Array | None = None) -> tuple[jax.Array, dict | None]:
         """x [B, T, D] at positions [B, T] (row b at start_b + t).
 
         Without a cache, attention runs over x itself (a full causal forward). With a paged cache
         (`meta` gives block tables and valid chunk lengths), the new latents (absorbed) or K/V (naive)
-        are written into the pages first, then the chunk attends to the sequence's whole prefix.
+        are written into the pages first, then the chunk attends to the sequence's whole prefix. With
+        `layer` (int32 scalar), the cache leaves are a scanned stack [L, P, ...] and this is its layer
+        `layer` (read and written in place through `cache.layer_view`).
         """
         if form not in ATTENTION_FORMS:
             raise ValueError(f"attention form must be one of {ATTENTION_FORMS}, got {form!r}")
@@ -89,21 +92,28 @@ class MLA(nn.Module):
         w_uk, w_uv = w_kvb[:, :dn, :], w_kvb[:, dn:, :]
         start = positions[:, 0]
         scale = c.softmax_scale
+        # A scanned stack's leaves are [L, P, ...] (pages on axis 1) and the layer index travels along.
+        pool = "pages" if layer is None else "layer_pages"
+        lay, lay_layout = ((), ()) if layer is None else ((layer,), ("replicated",))
 
         if form == "absorbed":
             q_lat = jnp.einsum("bthd,hdr->bthr", q_nope, w_uk)
             new_latent = jnp.concatenate([latent, k_pe], axis=-1)  # [B, T, 576]
             if cache is not None:
-                def paged(pages, new, meta, start, q_lat, q_pe):
-                    pages = write_pages(pages, new, meta, start)
-                    o, _ = kernels.mla_attention(q_lat, q_pe, pages, meta.block_table, start, meta.chunk_lens,
+                def paged(pages, new, meta, start, q_lat, q_pe, *layer):
+                    flat, meta = layer_view(pages, meta, layer[0] if layer else None)
+                    flat = write_pages(flat, new, meta, start)
+                    # The reads below see the written pool, not the old pool plus the new rows: otherwise
+                    # XLA may fuse the write into the read and keep the old pool alive (a full copy).
+                    flat = jax.lax.optimization_barrier(flat)
+                    o, _ = kernels.mla_attention(q_lat, q_pe, flat, meta.block_table, start, meta.chunk_lens,
                                                  softmax_scale=scale)
-                    return o, pages
+                    return o, flat.reshape(pages.shape)
 
                 # Per batch shard on its own pages (DP attention); as is on one shard.
                 o_lat, pages = dp_attention.shard_local(
-                    paged, (cache["pages"], new_latent, meta, start, q_lat, q_pe.astype(q_lat.dtype)),
-                    ("pages", "rows", "meta", "rows", "heads", "heads"), ("heads", "pages"))
+                    paged, (cache["pages"], new_latent, meta, start, q_lat, q_pe.astype(q_lat.dtype), *lay),
+                    (pool, "rows", "meta", "rows", "heads", "heads", *lay_layout), ("heads", pool))
                 cache = {"pages": pages}
             else:
                 c_kv, k_rope = latent, k_pe
@@ -117,14 +127,18 @@ class MLA(nn.Module):
             v = jnp.einsum("btr,hvr->bthv", latent, w_uv)
             k = jnp.concatenate([k_nope, jnp.broadcast_to(k_pe[:, :, None, :], (b, t, h, dr))], axis=-1)
             if cache is not None:
-                def paged(kp, vp, k, v, meta, start):
-                    kp, vp = write_pages(kp, k, meta, start), write_pages(vp, v, meta, start)
-                    return gather_pages(kp, meta.block_table), gather_pages(vp, meta.block_table), kp, vp
+                def paged(kp, vp, k, v, meta, start, *layer):
+                    fk, lmeta = layer_view(kp, meta, layer[0] if layer else None)
+                    fv, _ = layer_view(vp, meta, layer[0] if layer else None)
+                    fk, fv = jax.lax.optimization_barrier((write_pages(fk, k, lmeta, start),
+                                                           write_pages(fv, v, lmeta, start)))
+                    return (gather_pages(fk, lmeta.block_table), gather_pages(fv, lmeta.block_table),
+                            fk.reshape(kp.shape), fv.reshape(vp.shape))
 
                 k, v, kp, vp = dp_attention.shard_local(
-                    paged, (cache["k_pages"], cache["v_pages"], k, v, meta, start),
-                    ("pages", "pages", "heads", "heads", "meta", "rows"),
-                    ("heads", "heads", "pages", "pages"))
+                    paged, (cache["k_pages"], cache["v_pages"], k, v, meta, start, *lay),
+                    (pool, pool, "heads", "heads", "meta", "rows", *lay_layout),
+                    ("heads", "heads", pool, pool))
                 cache = {"k_pages": kp, "v_pages": vp}
                 k, v = k.astype(x.dtype), v.astype(x.dtype)
                 k_pos = jnp.broadcast_to(jnp.arange(k.shape[1]), (b, k.shape[1]))

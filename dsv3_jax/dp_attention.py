@@ -28,7 +28,8 @@ from jax.sharding import PartitionSpec as P
 from dsv3_jax import sharding
 from dsv3_jax.cache import PageMeta
 
-LAYOUTS = ("pages", "rows", "heads", "meta")
+LAYOUTS = ("pages", "layer_pages", "rows", "heads", "meta", "replicated")
+_POOL_AXIS = {"pages": 0, "layer_pages": 1}  # where a pool leaf keeps its page axis
 
 
 def batch_shards() -> int:
@@ -47,8 +48,14 @@ def _spec(layout: str, ndim: int, heads_axis: int = 2) -> Any:
         return P(batch)
     if layout == "heads":
         return P(*[batch if i == 0 else ("tensor" if i == heads_axis else None) for i in range(ndim)])
-    if layout == "pages":  # [P, page_size, latent] or [P, page_size, H, d] (naive: heads over tensor)
-        return P(*[batch if i == 0 else ("tensor" if ndim == 4 and i == 2 else None) for i in range(ndim)])
+    if layout == "replicated":
+        return P()
+    if layout in _POOL_AXIS:
+        # [P, page_size, latent] or [P, page_size, H, d] (naive: heads over tensor); "layer_pages" is a
+        # scanned stack of those, [L, P, ...].
+        pa = _POOL_AXIS[layout]
+        naive = ndim == 4 + pa
+        return P(*[batch if i == pa else ("tensor" if naive and i == pa + 2 else None) for i in range(ndim)])
     raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
 
 
@@ -56,9 +63,10 @@ def shard_local(fn: Callable[..., Any], args: Sequence[Any], layouts: Sequence[s
                 out_layouts: Sequence[str]) -> Any:
     """fn(*args) run per batch shard, or as is when the mesh has one batch shard.
 
-    `layouts[i]` says how args[i] is laid out: "pages" (a pool leaf, split by pages), "rows"
-    (batch-leading, replicated over tensor), "heads" ([B, T, H, ...], heads over tensor) or "meta" (a
-    PageMeta whose block table holds global page ids; fn receives slice-local ids). `out_layouts`
+    `layouts[i]` says how args[i] is laid out: "pages" (a pool leaf, split by pages), "layer_pages" (a
+    scanned stack of pool leaves [L, P, ...], split by pages), "rows" (batch-leading, replicated over
+    tensor), "heads" ([B, T, H, ...], heads over tensor), "meta" (a PageMeta whose block table holds
+    global page ids; fn receives slice-local ids) or "replicated" (e.g. a layer index). `out_layouts`
     likewise for fn's outputs (a tuple).
     """
     d = batch_shards()
@@ -68,13 +76,13 @@ def shard_local(fn: Callable[..., Any], args: Sequence[Any], layouts: Sequence[s
         raise ValueError(f"shard_local: {len(args)} args but {len(layouts)} layouts")
     batch = sharding.LOGICAL_RULES["batch"]
     axes = (batch,) if isinstance(batch, str) else tuple(batch)
-    pools = [a for a, lay in zip(args, layouts, strict=True) if lay == "pages"]
+    pools = [a.shape[_POOL_AXIS[lay]] for a, lay in zip(args, layouts, strict=True) if lay in _POOL_AXIS]
     if not pools:
         raise ValueError("shard_local needs the page pool among its args")
-    if pools[0].shape[0] % d:
-        raise sharding.MeshError(f"the page pool's {pools[0].shape[0]} pages do not split over {d} batch "
+    if pools[0] % d:
+        raise sharding.MeshError(f"the page pool's {pools[0]} pages do not split over {d} batch "
                                  f"shards; size the pool to a multiple of {d} (paging.PagePool shards)")
-    n_local = pools[0].shape[0] // d
+    n_local = pools[0] // d
 
     def body(*local):
         s = jax.lax.axis_index(axes)

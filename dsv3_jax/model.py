@@ -32,7 +32,13 @@ def _at(x: jax.Array, select: jax.Array | None) -> jax.Array:
 
 
 class Block(nn.Module):
-    """x + MLA(norm(x)), then + MLP-or-MoE(norm(x)). Called by nn.scan: (x, cache) -> (x, cache)."""
+    """x + MLA(norm(x)), then + MLP-or-MoE(norm(x)).
+
+    Carry in, carry out: (x, cache, layer) -> ((x, cache, layer + 1), None), the form nn.scan runs. In
+    a scanned stack `cache` is the whole stack's cache (leaves [L, P, ...]) and `layer` this layer's
+    index: it travels in the carry and is written in place, never sliced out and stacked back (that
+    copied the whole pool every step; see `cache.layer_view`). Called alone (the MTP block), `layer` is
+    None and `cache` that block's own."""
 
     cfg: ModelConfig
     is_moe: bool
@@ -41,11 +47,12 @@ class Block(nn.Module):
     form: str = "absorbed"
 
     @nn.compact
-    def __call__(self, x: jax.Array, cache: dict | None, positions: jax.Array, meta: PageMeta | None):
+    def __call__(self, carry: tuple, positions: jax.Array, meta: PageMeta | None):
+        x, cache, layer = carry
         c = self.cfg
         h, cache = MLA(c, self.param_dtype, self.fp8, name="self_attn")(
             RMSNorm(c.hidden_size, c.rms_norm_eps, self.param_dtype, name="input_layernorm")(x),
-            positions, cache, meta, self.form)
+            positions, cache, meta, self.form, layer)
         x = x + h
         hn = RMSNorm(c.hidden_size, c.rms_norm_eps, self.param_dtype, name="post_attention_layernorm")(x)
         if self.is_moe:
@@ -53,12 +60,12 @@ class Block(nn.Module):
             x = x + MoE(c, self.param_dtype, self.fp8, name="mlp")(hn, valid)
         else:
             x = x + MLP(c.hidden_size, c.intermediate_size, self.param_dtype, self.fp8, name="mlp")(hn)
-        return x, cache
+        return (x, cache, None if layer is None else layer + 1), None
 
 
 def _stack(cfg: ModelConfig, is_moe: bool, length: int, param_dtype, fp8: bool, form: str, name: str):
     scanned = nn.scan(Block, variable_axes={"params": 0, "intermediates": 0},
-                      split_rngs={"params": True}, in_axes=(0, nn.broadcast, nn.broadcast), length=length)
+                      split_rngs={"params": True}, in_axes=(nn.broadcast, nn.broadcast), length=length)
     return scanned(cfg, is_moe, param_dtype, fp8, form, name=name)
 
 
@@ -83,8 +90,8 @@ class MTP(nn.Module):
         e = RMSNorm(d, c.rms_norm_eps, self.param_dtype, name="enorm")(emb.astype(hidden.dtype))
         h = RMSNorm(d, c.rms_norm_eps, self.param_dtype, name="hnorm")(hidden)
         x = Linear(2 * d, d, self.param_dtype, self.fp8, name="eh_proj")(jnp.concatenate([e, h], -1))
-        x, cache = Block(c, True, self.param_dtype, self.fp8, self.form, name="block")(x, cache, positions,
-                                                                                      meta)
+        (x, cache, _), _ = Block(c, True, self.param_dtype, self.fp8, self.form, name="block")(
+            (x, cache, None), positions, meta)
         x = RMSNorm(d, c.rms_norm_eps, self.param_dtype, name="shared_head_norm")(x)
         logits = Linear(d, c.vocab_size, self.param_dtype, False, name="shared_head_head")(_at(x, select))
         return logits.astype(jnp.float32), x, cache
@@ -129,8 +136,9 @@ class Transformer(nn.Module):
         for name in ("dense_layers", "moe_layers"):
             if not hasattr(self, name):
                 continue
-            x, layer_cache = getattr(self, name)(x, None if cache is None else cache[name], positions, meta)
-            new_cache[name] = layer_cache
+            stack = None if cache is None else cache[name]
+            (x, stack, _), _ = getattr(self, name)((x, stack, jnp.zeros((), jnp.int32)), positions, meta)
+            new_cache[name] = stack
         hidden = self.norm(x)
         logits = self.lm_head(_at(hidden, select)).astype(jnp.float32)
         if cache is not None and "mtp" in cache:

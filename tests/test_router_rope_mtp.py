@@ -97,7 +97,8 @@ def test_mtp_matches_numpy_formula():
     from dsv3_jax.model import Block
 
     blk = Block(cfg, True)
-    y, _ = blk.apply({"params": params["mtp"]["block"]}, jnp.asarray(x, jnp.float32), None, pos, None)
+    (y, _, _), _ = blk.apply({"params": params["mtp"]["block"]}, (jnp.asarray(x, jnp.float32), None, None),
+                             pos, None)
     y = _np_rms(np.asarray(y), p["shared_head_norm"]["weight"], eps)
     want = y @ p["shared_head_head"]["weight"].T
     np.testing.assert_allclose(np.asarray(logits), want, rtol=2e-4, atol=2e-5)
