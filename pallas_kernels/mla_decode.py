@@ -69,7 +69,7 @@ _LN2 = math.log(2.0)
 _M_INIT = -1e30  # finite so that rows with nothing to attend to in a split give 0, not NaN
 _ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a wgmma tile
 HALF_PAGE = PAGE_SIZE // 2  # keys per consumer in v2
-KERNEL_VARIANTS = ("v1", "v2")  # see the module docstring; v1 is the default
+KERNEL_VARIANTS = ("v1", "v2", "v3", "v4")  # see the module docstring; v1 is the default
 # v2's row reductions stay inside a warp (wgmma layout, axis 1), so Mosaic's cross-warp reduction scratch
 # (default 2 KiB, reserved whether used or not) is cut to 1 KiB: the room for v2's exchange buffers.
 V2_REDUCTION_SCRATCH = 1024
@@ -120,9 +120,11 @@ def _kernel(
     out_ref, lse_ref,  # outputs (GMEM)
     q_smem, k_smem, lse_smem, p_smem, mx_smem, px_smem, q_bar, k_bars, consumed_bars, done_bar, m_bar, p_bar,
     *, num_heads: int, num_queries: int, num_splits: int, softmax_scale: float, interpret: bool, variant: str,
+    paired: bool,
 ):
     b = lax.axis_index("b")
-    tile = lax.axis_index("t")
+    # paired (v4): a cluster of two CTAs takes row tiles 2t and 2t + 1, which see the same pages.
+    tile = lax.axis_index("t") * 2 + lax.axis_index("c") if paired else lax.axis_index("t")
     split = lax.axis_index("s")
     wg = lax.axis_index("wg")
     row0 = tile * BLOCK_ROWS
@@ -151,7 +153,9 @@ def _kernel(
                 plgpu.barrier_wait(consumed_bars.at[slot])
 
             page = bt_ref[b, blk_lo + i]
-            plgpu.copy_gmem_to_smem(kv_ref.at[page], k_smem.at[slot], k_bars.at[slot])
+            # paired: both CTAs issue the copy; TMA multicast brings the page to both from one read of L2.
+            plgpu.copy_gmem_to_smem(kv_ref.at[page], k_smem.at[slot], k_bars.at[slot],
+                                    collective_axes="c" if paired else None)
 
     def consumer(half: int):
         plgpu.set_max_registers(232, action="increase")
@@ -208,11 +212,66 @@ def _kernel(
             plgpu.barrier_arrive(consumed_bars.at[slot])
             return acc, m_new, l_i
 
+        def v_half(slot):
+            return k_smem.at[slot, :, pl.ds(half * HALF, HALF)]
+
+        def publish(p16, m_new):
+            # P and its row maxima for the other consumer; one P buffer serves both directions because the
+            # consumers take turns (module docstring, v3).
+            px_smem[...] = p16
+            mx_smem.at[half][...] = m_new
+            plgpu.barrier_arrive(m_bar if half == 0 else p_bar)
+
+        def take_other_page(j, carry):
+            """P V for page j, which the other consumer scored: its P and max from shared memory (their row
+            sums are taken here, so both consumers keep the full l)."""
+            acc, m_i, l_i = carry
+            slot = lax.rem(j, NUM_SLOTS)
+            plgpu.barrier_wait(k_bars.at[slot])
+            plgpu.barrier_wait(p_bar if half == 0 else m_bar)
+            m_other = plgpu.load(mx_smem.at[other], layout=_ROW_LAYOUT)
+            p_other = plgpu.load(px_smem, layout=plgpu.Layout.WGMMA)
+            alpha = jnp.exp2(m_i - m_other)
+            l_i = l_i * alpha + p_other.astype(jnp.float32).sum(axis=1)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            acc = _pv(acc, p_other, v_half(slot), p_stage, interpret)
+            plgpu.barrier_arrive(consumed_bars.at[slot])
+            return acc, m_other, l_i
+
+        def turn_v3(t, carry):
+            # Page i = 2t + half is this consumer's to score. Its QK goes first (it needs only the page), then
+            # page i - 1 from the other consumer (its max is where page i's softmax starts), then page i.
+            i = 2 * t + half
+            slot = lax.rem(i, NUM_SLOTS)
+            plgpu.barrier_wait(k_bars.at[slot])
+            s = _masked_scores(q_smem, k_smem, slot, 0, PAGE_SIZE, (blk_lo + i) * PAGE_SIZE, limit, scale2)
+            if half == 0:  # page 0 has no predecessor
+                carry = lax.cond(i > 0, lambda c: take_other_page(i - 1, c), lambda c: c, carry)
+            else:
+                carry = take_other_page(i - 1, carry)
+            acc, m_i, l_i = carry
+            m_new = jnp.maximum(m_i, s.max(axis=1))
+            alpha = jnp.exp2(m_i - m_new)
+            p16 = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0])).astype(k_smem.dtype)
+            publish(p16, m_new)
+            l_i = l_i * alpha + p16.astype(jnp.float32).sum(axis=1)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            acc = _pv(acc, p16, v_half(slot), p_stage, interpret)
+            plgpu.barrier_arrive(consumed_bars.at[slot])
+            return acc, m_new, l_i
+
         acc = plgpu.layout_cast(jnp.zeros((BLOCK_ROWS, HALF), jnp.float32), plgpu.Layout.WGMMA)
         m_i = plgpu.layout_cast(jnp.full((BLOCK_ROWS,), _M_INIT, jnp.float32), _ROW_LAYOUT)
         l_i = plgpu.layout_cast(jnp.zeros((BLOCK_ROWS,), jnp.float32), _ROW_LAYOUT)
-        step = step_v2 if variant == "v2" else step_v1
-        acc, m_i, l_i = lax.fori_loop(0, n_steps, step, (acc, m_i, l_i))
+        if variant in ("v3", "v4"):
+            carry = lax.fori_loop(0, (n_steps + 1 - half) // 2, turn_v3, (acc, m_i, l_i))
+            # The last page, when the other consumer scored it, still needs this consumer's P V.
+            last_is_other = (n_steps >= 1) & (lax.rem(n_steps - 1, NUM_SLOTS) != half)
+            acc, m_i, l_i = lax.cond(last_is_other, functools.partial(take_other_page, n_steps - 1),
+                                     lambda c: c, carry)
+        else:
+            step = step_v2 if variant == "v2" else step_v1
+            acc, m_i, l_i = lax.fori_loop(0, n_steps, step, (acc, m_i, l_i))
 
         if variant == "v2":  # the row sum is the two consumers' halves; they meet at done_bar anyway
             mx_smem.at[half][...] = l_i
@@ -223,6 +282,8 @@ def _kernel(
             l_i = l_i + plgpu.load(mx_smem.at[other], layout=_ROW_LAYOUT)
             # Consumer 0 stages the lse in row 1, which it has read already; consumer 1 now reads only row 0.
             lse_stage = mx_smem.at[1]
+        elif variant in ("v3", "v4"):  # nothing reads the maxima after done_bar
+            lse_stage = mx_smem.at[0]
         else:
             lse_stage = lse_smem
         empty = l_i == 0.0
@@ -332,11 +393,16 @@ def paged_mla_partials(
     swizzle = plgpu.SwizzleTransform(128)
     dtype = q.dtype
     v2 = variant == "v2"
+    v3 = variant in ("v3", "v4")
+    # v4 pairs the two row tiles of a token (64 heads each) in a cluster; other head counts run as v3.
+    paired = variant == "v4" and nh % (2 * BLOCK_ROWS) == 0
+    cluster_barrier = functools.partial(plgpu.ClusterBarrier, collective_axes=("c",))
+    exchange = v2 or v3  # the consumers trade maxima and P through shared memory
     scratch = dict(
         q_smem=plgpu.SMEM((BLOCK_ROWS, KV_DIM), dtype, transforms=(tiling, swizzle)),
         k_smem=plgpu.SMEM((NUM_SLOTS, PAGE_SIZE, KV_DIM), dtype, transforms=(tiling, swizzle)),
         # v2 stages the lse in its exchange buffer instead (the 256 B that make its budget fit).
-        lse_smem=None if v2 else plgpu.SMEM((BLOCK_ROWS,), jnp.float32),
+        lse_smem=None if exchange else plgpu.SMEM((BLOCK_ROWS,), jnp.float32),
         # Only interpret mode stages the full P tile through shared memory (see the module docstring).
         p_smem=(
             plgpu.SMEM((2, BLOCK_ROWS, PAGE_SIZE), dtype, transforms=(tiling, swizzle)) if interpret else None
@@ -346,19 +412,24 @@ def paged_mla_partials(
         px_smem=(
             plgpu.SMEM((2, BLOCK_ROWS, HALF_PAGE), dtype,
                        transforms=(plgpu.TilingTransform((8, HALF_PAGE)), plgpu.SwizzleTransform(64)))
-            if v2 else None
+            if v2 else
+            # v3's one P tile [64, 64], written by the consumers in turn.
+            plgpu.SMEM((BLOCK_ROWS, PAGE_SIZE), dtype, transforms=(tiling, swizzle)) if v3 else None
         ),
-        mx_smem=plgpu.SMEM((2, BLOCK_ROWS), jnp.float32) if v2 else None,
+        mx_smem=plgpu.SMEM((2, BLOCK_ROWS), jnp.float32) if exchange else None,
         q_bar=plgpu.Barrier(num_barriers=1),
         k_bars=plgpu.Barrier(num_barriers=NUM_SLOTS),
-        consumed_bars=plgpu.Barrier(num_arrivals=2, num_barriers=NUM_SLOTS),
-        done_bar=plgpu.Barrier(num_arrivals=2),
-        m_bar=plgpu.Barrier(num_arrivals=2) if v2 else None,
-        p_bar=plgpu.Barrier(num_arrivals=2) if v2 else None,
+        # paired: a slot is free once the consumers of both CTAs are done with it (the next multicast
+        # writes both), and neither CTA may exit while the other can still arrive on its barriers.
+        consumed_bars=(cluster_barrier if paired else plgpu.Barrier)(num_arrivals=2, num_barriers=NUM_SLOTS),
+        done_bar=(cluster_barrier if paired else plgpu.Barrier)(num_arrivals=2),
+        # v2: both consumers meet at each; v3: m_bar says consumer 0's P is out, p_bar consumer 1's.
+        m_bar=plgpu.Barrier(num_arrivals=1 if v3 else 2) if exchange else None,
+        p_bar=plgpu.Barrier(num_arrivals=1 if v3 else 2) if exchange else None,
     )
     body = functools.partial(
         _kernel, num_heads=nh, num_queries=nq, num_splits=num_splits,
-        softmax_scale=float(softmax_scale), interpret=bool(interpret), variant=variant,
+        softmax_scale=float(softmax_scale), interpret=bool(interpret), variant=variant, paired=paired,
     )
 
     names = [k for k, v in scratch.items() if v is not None]
@@ -376,12 +447,14 @@ def paged_mla_partials(
             jax.ShapeDtypeStruct((bsz, num_splits, row_tiles * BLOCK_ROWS, LATENT_DIM), dtype),
             jax.ShapeDtypeStruct((bsz, num_splits, row_tiles * BLOCK_ROWS), jnp.float32),
         ),
-        grid=(bsz, row_tiles, num_splits),
+        grid=(bsz, row_tiles // 2 if paired else row_tiles, num_splits),
         grid_names=("b", "t", "s"),
+        cluster=(2,) if paired else (),
+        cluster_names=("c",) if paired else (),
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(
-            approx_math=True, **({"reduction_scratch_bytes": V2_REDUCTION_SCRATCH} if v2 else {})),
+            approx_math=True, **({"reduction_scratch_bytes": V2_REDUCTION_SCRATCH} if exchange else {})),
         # Interpret mode fills outputs and scratch with NaN first, so an unwritten element shows up.
         interpret=plgpu.InterpretGPUParams(uninitialized_memory="nan") if interpret else None,
     )(q, kv_pages, block_table.astype(jnp.int32), q_start.astype(jnp.int32), kv_len.astype(jnp.int32))

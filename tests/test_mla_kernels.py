@@ -199,11 +199,13 @@ def test_decode_gpu_real_shapes(b, h, max_len):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["v2", "v3", "v4"])
 @pytest.mark.parametrize("h,b,nq,max_len", [(128, 64, 1, 4096), (16, 128, 1, 4096), (128, 8, 2, 16384),
-                                            (16, 1, 1, 100)])
-def test_decode_gpu_v2(h, b, nq, max_len):
-    """The split-QK variant at real shapes: ragged lengths, MTP, one short sequence (a partial page)."""
-    out, lse, ref_out, ref_lse = _gpu_case(b * 5 + h + nq, b, h, nq, max_len, variant="v2")
+                                            (16, 1, 1, 100), (128, 3, 1, 64 * 7 + 5)])
+def test_decode_gpu_variants(h, b, nq, max_len, variant):
+    """The exchange variants at real shapes: ragged lengths, MTP, one short sequence (a partial page), and
+    odd page counts (v3 pairs pages)."""
+    out, lse, ref_out, ref_lse = _gpu_case(b * 5 + h + nq, b, h, nq, max_len, variant=variant)
     _assert_close(out, lse, ref_out, ref_lse)
 
 
@@ -407,4 +409,4 @@ def test_unknown_variant_raises():
     kv, table = _make_cache(rng, [10])
     ql, qr = _queries(rng, (1, 16))
     with pytest.raises(ValueError, match="variant"):
-        mla_decode(ql, qr, kv, table, jnp.asarray([10]), softmax_scale=SCALE, interpret=True, variant="v3")
+        mla_decode(ql, qr, kv, table, jnp.asarray([10]), softmax_scale=SCALE, interpret=True, variant="v9")
