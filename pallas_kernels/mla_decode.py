@@ -69,7 +69,8 @@ _LN2 = math.log(2.0)
 _M_INIT = -1e30  # finite so that rows with nothing to attend to in a split give 0, not NaN
 _ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a wgmma tile
 HALF_PAGE = PAGE_SIZE // 2  # keys per consumer in v2
-KERNEL_VARIANTS = ("v1", "v2", "v3", "v4")  # see the module docstring; v1 is the default
+KERNEL_VARIANTS = ("v1", "v2", "v3", "v4", "v5")  # see the module docstring; v1 is the default
+SEESAW_VARIANTS = ("v3", "v4", "v5")  # consumers score alternate pages and trade P
 # v2's row reductions stay inside a warp (wgmma layout, axis 1), so Mosaic's cross-warp reduction scratch
 # (default 2 KiB, reserved whether used or not) is cut to 1 KiB: the room for v2's exchange buffers.
 V2_REDUCTION_SCRATCH = 1024
@@ -113,6 +114,18 @@ def _pv(acc, p16, v, p_stage, interpret: bool):
 
         return acc + pl.run_scoped(pv, plgpu.ACC(acc.shape, jnp.float32))
     return pl.run_state(lambda o_ref: plgpu.wgmma(o_ref, p16, v))(plgpu.ACC.init(acc))
+
+
+def _pv2(acc, p1, v1, p2, v2, p_stage, interpret: bool):
+    """acc + P1 V1 + P2 V2 with one wait for the tensor cores (two chained wgmmas on one accumulator)."""
+    if interpret:
+        return _pv(_pv(acc, p1, v1, p_stage, interpret), p2, v2, p_stage, interpret)
+
+    def pv2(o_ref):
+        plgpu.wgmma(o_ref, p1, v1)
+        plgpu.wgmma(o_ref, p2, v2)
+
+    return pl.run_state(pv2)(plgpu.ACC.init(acc))
 
 
 def _kernel(
@@ -260,11 +273,58 @@ def _kernel(
             plgpu.barrier_arrive(consumed_bars.at[slot])
             return acc, m_new, l_i
 
+        def own_page_only(slot, s, carry):
+            acc, m_i, l_i = carry
+            m_new = jnp.maximum(m_i, s.max(axis=1))
+            alpha = jnp.exp2(m_i - m_new)
+            p16 = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0])).astype(k_smem.dtype)
+            publish(p16, m_new)
+            l_i = l_i * alpha + p16.astype(jnp.float32).sum(axis=1)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            acc = _pv(acc, p16, v_half(slot), p_stage, interpret)
+            plgpu.barrier_arrive(consumed_bars.at[slot])
+            return acc, m_new, l_i
+
+        def other_then_own_page(i, slot, s, carry):
+            # v5: page i - 1's P and max arrive, page i's softmax is published at once (the other consumer
+            # waits on it), and only then do both P V products run, page i - 1's P rescaled to page i's max
+            # in registers so that the two wgmmas chain with one wait.
+            acc, m_i, l_i = carry
+            prev_slot = lax.rem(i - 1, NUM_SLOTS)
+            plgpu.barrier_wait(k_bars.at[prev_slot])
+            plgpu.barrier_wait(p_bar if half == 0 else m_bar)
+            m_other = plgpu.load(mx_smem.at[other], layout=_ROW_LAYOUT)
+            p_other = plgpu.load(px_smem, layout=plgpu.Layout.WGMMA)
+            m_new = jnp.maximum(m_other, s.max(axis=1))
+            p16 = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0])).astype(k_smem.dtype)
+            publish(p16, m_new)
+            beta = jnp.exp2(m_other - m_new)
+            p_other = p_other.astype(jnp.float32) * lax.broadcast_in_dim(beta, s.shape, [0])
+            p_other = p_other.astype(p16.dtype)
+            alpha = jnp.exp2(m_i - m_new)
+            l_i = l_i * alpha + p_other.astype(jnp.float32).sum(axis=1) + p16.astype(jnp.float32).sum(axis=1)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            acc = _pv2(acc, p_other, v_half(prev_slot), p16, v_half(slot), p_stage, interpret)
+            plgpu.barrier_arrive(consumed_bars.at[prev_slot])
+            plgpu.barrier_arrive(consumed_bars.at[slot])
+            return acc, m_new, l_i
+
+        def turn_v5(t, carry):
+            i = 2 * t + half
+            slot = lax.rem(i, NUM_SLOTS)
+            plgpu.barrier_wait(k_bars.at[slot])
+            s = _masked_scores(q_smem, k_smem, slot, 0, PAGE_SIZE, (blk_lo + i) * PAGE_SIZE, limit, scale2)
+            if half == 0:  # page 0 has no predecessor
+                return lax.cond(i > 0, functools.partial(other_then_own_page, i, slot, s),
+                                functools.partial(own_page_only, slot, s), carry)
+            return other_then_own_page(i, slot, s, carry)
+
         acc = plgpu.layout_cast(jnp.zeros((BLOCK_ROWS, HALF), jnp.float32), plgpu.Layout.WGMMA)
         m_i = plgpu.layout_cast(jnp.full((BLOCK_ROWS,), _M_INIT, jnp.float32), _ROW_LAYOUT)
         l_i = plgpu.layout_cast(jnp.zeros((BLOCK_ROWS,), jnp.float32), _ROW_LAYOUT)
-        if variant in ("v3", "v4"):
-            carry = lax.fori_loop(0, (n_steps + 1 - half) // 2, turn_v3, (acc, m_i, l_i))
+        if variant in SEESAW_VARIANTS:
+            turn = turn_v5 if variant == "v5" else turn_v3
+            carry = lax.fori_loop(0, (n_steps + 1 - half) // 2, turn, (acc, m_i, l_i))
             # The last page, when the other consumer scored it, still needs this consumer's P V.
             last_is_other = (n_steps >= 1) & (lax.rem(n_steps - 1, NUM_SLOTS) != half)
             acc, m_i, l_i = lax.cond(last_is_other, functools.partial(take_other_page, n_steps - 1),
@@ -282,7 +342,7 @@ def _kernel(
             l_i = l_i + plgpu.load(mx_smem.at[other], layout=_ROW_LAYOUT)
             # Consumer 0 stages the lse in row 1, which it has read already; consumer 1 now reads only row 0.
             lse_stage = mx_smem.at[1]
-        elif variant in ("v3", "v4"):  # nothing reads the maxima after done_bar
+        elif variant in SEESAW_VARIANTS:  # nothing reads the maxima after done_bar
             lse_stage = mx_smem.at[0]
         else:
             lse_stage = lse_smem
@@ -393,9 +453,9 @@ def paged_mla_partials(
     swizzle = plgpu.SwizzleTransform(128)
     dtype = q.dtype
     v2 = variant == "v2"
-    v3 = variant in ("v3", "v4")
-    # v4 pairs the two row tiles of a token (64 heads each) in a cluster; other head counts run as v3.
-    paired = variant == "v4" and nh % (2 * BLOCK_ROWS) == 0
+    v3 = variant in SEESAW_VARIANTS
+    # v4 and v5 pair the two row tiles of a token (64 heads each) in a cluster; other head counts run as v3.
+    paired = variant in ("v4", "v5") and nh % (2 * BLOCK_ROWS) == 0
     cluster_barrier = functools.partial(plgpu.ClusterBarrier, collective_axes=("c",))
     exchange = v2 or v3  # the consumers trade maxima and P through shared memory
     scratch = dict(
