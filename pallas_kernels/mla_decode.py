@@ -69,8 +69,9 @@ _LN2 = math.log(2.0)
 _M_INIT = -1e30  # finite so that rows with nothing to attend to in a split give 0, not NaN
 _ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a wgmma tile
 HALF_PAGE = PAGE_SIZE // 2  # keys per consumer in v2
-KERNEL_VARIANTS = ("v1", "v2", "v3", "v4", "v5")  # see the module docstring; v1 is the default
+KERNEL_VARIANTS = ("v1", "v2", "v3", "v4", "v5", "v6")  # see the module docstring; v1 is the default
 SEESAW_VARIANTS = ("v3", "v4", "v5")  # consumers score alternate pages and trade P
+PAIRED_VARIANTS = ("v4", "v5", "v6")  # two row tiles per cluster share each page by TMA multicast
 # v2's row reductions stay inside a warp (wgmma layout, axis 1), so Mosaic's cross-warp reduction scratch
 # (default 2 KiB, reserved whether used or not) is cut to 1 KiB: the room for v2's exchange buffers.
 V2_REDUCTION_SCRATCH = 1024
@@ -455,7 +456,7 @@ def paged_mla_partials(
     v2 = variant == "v2"
     v3 = variant in SEESAW_VARIANTS
     # v4 and v5 pair the two row tiles of a token (64 heads each) in a cluster; other head counts run as v3.
-    paired = variant in ("v4", "v5") and nh % (2 * BLOCK_ROWS) == 0
+    paired = variant in PAIRED_VARIANTS and nh % (2 * BLOCK_ROWS) == 0
     cluster_barrier = functools.partial(plgpu.ClusterBarrier, collective_axes=("c",))
     exchange = v2 or v3  # the consumers trade maxima and P through shared memory
     scratch = dict(
