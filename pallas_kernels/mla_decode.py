@@ -69,7 +69,10 @@ _LN2 = math.log(2.0)
 _M_INIT = -1e30  # finite so that rows with nothing to attend to in a split give 0, not NaN
 _ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a wgmma tile
 HALF_PAGE = PAGE_SIZE // 2  # keys per consumer in v2
-KERNEL_VARIANTS = ("v1", "v2", "v3", "v4", "v5", "v6")  # see the module docstring; v1 is the default
+KERNEL_VARIANTS = ("v1", "v2", "v3", "v4", "v5", "v6", "v7")
+CHUNK = 64  # v7: columns per load chunk (one 128-byte swizzle row of bf16)
+NUM_CHUNKS = KV_DIM // CHUNK  # 9 per page: 8 latent (the V columns) + 1 rope
+CHUNKS_PER_HALF = HALF // CHUNK  # see the module docstring; v1 is the default
 SEESAW_VARIANTS = ("v3", "v4", "v5")  # consumers score alternate pages and trade P
 PAIRED_VARIANTS = ("v4", "v5", "v6")  # two row tiles per cluster share each page by TMA multicast
 # v2's row reductions stay inside a warp (wgmma layout, axis 1), so Mosaic's cross-warp reduction scratch
@@ -129,6 +132,24 @@ def _pv2(acc, p1, v1, p2, v2, p_stage, interpret: bool):
     return pl.run_state(pv2)(plgpu.ACC.init(acc))
 
 
+def _traced(wg: jax.Array, index: int) -> jax.Array:
+    """`index` as a traced value: a literal ref index reaches a wgmma inside `run_state` as a Python int,
+    which Mosaic's lowering rejects."""
+    return wg * 0 + index
+
+
+def _pv_chunks(accs, p16, vs, p_stage, interpret: bool):
+    """accs[c] + P V_c for the V chunks [64, 64] of one output half, chained under one wait."""
+    if interpret:
+        return tuple(_pv(a, p16, v, p_stage, interpret) for a, v in zip(accs, vs))
+
+    def pv(refs):
+        for r, v in zip(refs, vs):
+            plgpu.wgmma(r, p16, v)
+
+    return pl.run_state(pv)(tuple(plgpu.ACC.init(a) for a in accs))
+
+
 def _kernel(
     q_ref, kv_ref, bt_ref, qstart_ref, kvlen_ref,  # inputs (GMEM)
     out_ref, lse_ref,  # outputs (GMEM)
@@ -153,10 +174,17 @@ def _kernel(
     blk_lo = jnp.minimum(split * per_split, n_blocks)
     n_steps = jnp.minimum(blk_lo + per_split, n_blocks) - blk_lo
 
+    chunked = variant == "v7"
+
     @pl.when(wg == 2)
     def _producer():
         plgpu.set_max_registers(40, action="decrease")
-        plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, BLOCK_ROWS)], q_smem, q_bar.at[0])
+        if chunked:  # v7: Q and every page as 9 column chunks [64, 64], each with its own barrier
+            for j in range(NUM_CHUNKS):
+                plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, BLOCK_ROWS), pl.ds(j * CHUNK, CHUNK)],
+                                        q_smem.at[j], q_bar.at[j])
+        else:
+            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, BLOCK_ROWS)], q_smem, q_bar.at[0])
 
         @pl.loop(0, n_steps)
         def _load(i):
@@ -167,13 +195,19 @@ def _kernel(
                 plgpu.barrier_wait(consumed_bars.at[slot])
 
             page = bt_ref[b, blk_lo + i]
+            if chunked:
+                for j in range(NUM_CHUNKS):
+                    plgpu.copy_gmem_to_smem(kv_ref.at[page, :, pl.ds(j * CHUNK, CHUNK)], k_smem.at[slot, j],
+                                            k_bars.at[slot, j])
+                return
             # paired: both CTAs issue the copy; TMA multicast brings the page to both from one read of L2.
             plgpu.copy_gmem_to_smem(kv_ref.at[page], k_smem.at[slot], k_bars.at[slot],
                                     collective_axes="c" if paired else None)
 
     def consumer(half: int):
         plgpu.set_max_registers(232, action="increase")
-        plgpu.barrier_wait(q_bar.at[0])
+        for j in range(NUM_CHUNKS if chunked else 1):
+            plgpu.barrier_wait(q_bar.at[j])
         scale2 = softmax_scale * _LOG2E
         other = 1 - half
 
@@ -320,6 +354,31 @@ def _kernel(
                                 functools.partial(own_page_only, slot, s), carry)
             return other_then_own_page(i, slot, s, carry)
 
+        def step_v7(i, carry):
+            # v1 on chunked pages: the QK product starts on chunk 0 while the rest of the page lands, and
+            # the output half is four [64, 64] accumulators (one per V chunk).
+            accs, m_i, l_i = carry
+            slot = lax.rem(i, NUM_SLOTS)
+
+            def qk(s_ref):
+                for j in range(NUM_CHUNKS):
+                    plgpu.barrier_wait(k_bars.at[slot, j])
+                    plgpu.wgmma(s_ref, q_smem.at[j], k_smem.at[slot, j].T)
+                return s_ref[...]
+
+            s = pl.run_scoped(qk, plgpu.ACC((BLOCK_ROWS, PAGE_SIZE), jnp.float32))
+            cols = plgpu.broadcasted_iota(jnp.int32, (BLOCK_ROWS, PAGE_SIZE), 1, layout=plgpu.Layout.WGMMA)
+            s = jnp.where((blk_lo + i) * PAGE_SIZE + cols < limit, s * scale2, -jnp.inf)
+            m_new = jnp.maximum(m_i, s.max(axis=1))
+            alpha = jnp.exp2(m_i - m_new)
+            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+            l_i = l_i * alpha + p.sum(axis=1)
+            accs = tuple(a * lax.broadcast_in_dim(alpha, a.shape, [0]) for a in accs)
+            vs = [k_smem.at[slot, _traced(wg, half * CHUNKS_PER_HALF + jj)] for jj in range(CHUNKS_PER_HALF)]
+            accs = _pv_chunks(accs, p.astype(k_smem.dtype), vs, p_stage, interpret)
+            plgpu.barrier_arrive(consumed_bars.at[slot])
+            return accs, m_new, l_i
+
         acc = plgpu.layout_cast(jnp.zeros((BLOCK_ROWS, HALF), jnp.float32), plgpu.Layout.WGMMA)
         m_i = plgpu.layout_cast(jnp.full((BLOCK_ROWS,), _M_INIT, jnp.float32), _ROW_LAYOUT)
         l_i = plgpu.layout_cast(jnp.zeros((BLOCK_ROWS,), jnp.float32), _ROW_LAYOUT)
@@ -330,6 +389,10 @@ def _kernel(
             last_is_other = (n_steps >= 1) & (lax.rem(n_steps - 1, NUM_SLOTS) != half)
             acc, m_i, l_i = lax.cond(last_is_other, functools.partial(take_other_page, n_steps - 1),
                                      lambda c: c, carry)
+        elif chunked:
+            accs = tuple(plgpu.layout_cast(jnp.zeros((BLOCK_ROWS, CHUNK), jnp.float32), plgpu.Layout.WGMMA)
+                         for _ in range(CHUNKS_PER_HALF))
+            accs, m_i, l_i = lax.fori_loop(0, n_steps, step_v7, (accs, m_i, l_i))
         else:
             step = step_v2 if variant == "v2" else step_v1
             acc, m_i, l_i = lax.fori_loop(0, n_steps, step, (acc, m_i, l_i))
@@ -349,18 +412,29 @@ def _kernel(
             lse_stage = lse_smem
         empty = l_i == 0.0
         l_safe = jnp.where(empty, 1.0, l_i)
-        out = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
-        out_smem = q_smem.at[:, pl.ds(half * HALF, HALF)]
-        out_smem[...] = out.astype(q_smem.dtype)
+        if chunked:
+            for jj, a in enumerate(accs):
+                q_smem.at[half * CHUNKS_PER_HALF + jj][...] = (
+                    a / lax.broadcast_in_dim(l_safe, a.shape, [0])).astype(q_smem.dtype)
+        else:
+            out = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
+            out_smem = q_smem.at[:, pl.ds(half * HALF, HALF)]
+            out_smem[...] = out.astype(q_smem.dtype)
         if half == 0:
             lse_stage[...] = jnp.where(empty, -jnp.inf, (m_i + jnp.log2(l_safe)) * _LN2)
         plgpu.commit_smem()
-        # A column half of the tiled tile is not contiguous; each 8-row group of it is (8x64 tiles).
-        for r in range(0, BLOCK_ROWS, 8):
-            plgpu.copy_smem_to_gmem(
-                q_smem.at[pl.ds(r, 8), pl.ds(half * HALF, HALF)],
-                out_ref.at[b, split, pl.ds(row0 + r, 8), pl.ds(half * HALF, HALF)],
-            )
+        if chunked:  # each chunk of the staged tile is contiguous
+            for jj in range(CHUNKS_PER_HALF):
+                c = half * CHUNKS_PER_HALF + jj
+                plgpu.copy_smem_to_gmem(q_smem.at[c], out_ref.at[b, split, pl.ds(row0, BLOCK_ROWS),
+                                                                 pl.ds(c * CHUNK, CHUNK)])
+        else:
+            # A column half of the tiled tile is not contiguous; each 8-row group of it is (8x64 tiles).
+            for r in range(0, BLOCK_ROWS, 8):
+                plgpu.copy_smem_to_gmem(
+                    q_smem.at[pl.ds(r, 8), pl.ds(half * HALF, HALF)],
+                    out_ref.at[b, split, pl.ds(row0 + r, 8), pl.ds(half * HALF, HALF)],
+                )
         if half == 0:
             plgpu.copy_smem_to_gmem(lse_stage, lse_ref.at[b, split, pl.ds(row0, BLOCK_ROWS)])
         plgpu.wait_smem_to_gmem(0)
@@ -459,9 +533,12 @@ def paged_mla_partials(
     paired = variant in PAIRED_VARIANTS and nh % (2 * BLOCK_ROWS) == 0
     cluster_barrier = functools.partial(plgpu.ClusterBarrier, collective_axes=("c",))
     exchange = v2 or v3  # the consumers trade maxima and P through shared memory
+    v7 = variant == "v7"
+    q_shape = (NUM_CHUNKS, BLOCK_ROWS, CHUNK) if v7 else (BLOCK_ROWS, KV_DIM)
+    page_shape = (NUM_CHUNKS, PAGE_SIZE, CHUNK) if v7 else (PAGE_SIZE, KV_DIM)
     scratch = dict(
-        q_smem=plgpu.SMEM((BLOCK_ROWS, KV_DIM), dtype, transforms=(tiling, swizzle)),
-        k_smem=plgpu.SMEM((NUM_SLOTS, PAGE_SIZE, KV_DIM), dtype, transforms=(tiling, swizzle)),
+        q_smem=plgpu.SMEM(q_shape, dtype, transforms=(tiling, swizzle)),
+        k_smem=plgpu.SMEM((NUM_SLOTS, *page_shape), dtype, transforms=(tiling, swizzle)),
         # v2 stages the lse in its exchange buffer instead (the 256 B that make its budget fit).
         lse_smem=None if exchange else plgpu.SMEM((BLOCK_ROWS,), jnp.float32),
         # Only interpret mode stages the full P tile through shared memory (see the module docstring).
@@ -478,8 +555,8 @@ def paged_mla_partials(
             plgpu.SMEM((BLOCK_ROWS, PAGE_SIZE), dtype, transforms=(tiling, swizzle)) if v3 else None
         ),
         mx_smem=plgpu.SMEM((2, BLOCK_ROWS), jnp.float32) if exchange else None,
-        q_bar=plgpu.Barrier(num_barriers=1),
-        k_bars=plgpu.Barrier(num_barriers=NUM_SLOTS),
+        q_bar=plgpu.Barrier(num_barriers=NUM_CHUNKS if v7 else 1),
+        k_bars=plgpu.Barrier(num_barriers=(NUM_SLOTS, NUM_CHUNKS) if v7 else NUM_SLOTS),
         # paired: a slot is free once the consumers of both CTAs are done with it (the next multicast
         # writes both), and neither CTA may exit while the other can still arrive on its barriers.
         consumed_bars=(cluster_barrier if paired else plgpu.Barrier)(num_arrivals=2, num_barriers=NUM_SLOTS),
