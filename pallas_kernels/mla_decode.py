@@ -46,6 +46,22 @@ Variants (`variant=`, `KERNEL_VARIANTS`; "v1" is the default everywhere):
   it asks for 1 KiB (`V2_REDUCTION_SCRATCH`; the CPU lowering test holds the budget).
   Measured on the H200 (2026-12-03): 0.985x v1's time at H=128, B=64-128, S=4K and 1.01-1.04x at H=16,
   so v1 stays the default (benchmarks/RESULTS.md, "MLA decode v2").
+- v3 (seesaw): consumer c scores the pages i with i % 2 == c (the full 64x64 tile, wgmma N=64), so each
+  QK FLOP is done once, and both consumers multiply every page's P by their own 256 V columns. A turn of
+  consumer c on page i: QK of page i (it needs only the page, so it overlaps the other consumer's softmax);
+  then page i - 1's P and row maxima from the other consumer (`m_bar` / `p_bar`, one arrival each: "my P
+  is out"), rescale and P V for page i - 1; then page i's softmax starting from page i - 1's maximum,
+  published at once, and P V for page i. The running maximum is thus one chain through all pages, and
+  both consumers see every P, so each keeps the full row sum (no l exchange at the end). One P buffer
+  [64, 64] serves both directions: the consumers strictly alternate, a consumer overwrites it only after
+  loading the previous P into registers, and in the WGMMA layout each thread stores exactly the elements
+  it loaded. Each consumer waits every page's barrier once (its own pages in its turn, the other's before
+  their P V). Page 0 has no predecessor and the last page may be the other consumer's (two `lax.cond`s).
+  Shared memory as v2. Measured on the H200 (2026-12-03): 1.21-1.50x v1's time at H=128 and 1.07-1.56x
+  at H=16, so v1 stays the default. Also tried that day and removed (commits e0d65bd..466fadc, RESULTS.md
+  "MLA decode, round three"): v3 with the two row tiles of a token in a 2-CTA cluster sharing each page by
+  TMA multicast, v3 with both P V products after the softmax, v1 with that multicast, and v1 with each page
+  loaded as 9 column chunks with their own barriers; none was faster than v1.
 """
 
 import functools
@@ -69,12 +85,7 @@ _LN2 = math.log(2.0)
 _M_INIT = -1e30  # finite so that rows with nothing to attend to in a split give 0, not NaN
 _ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a wgmma tile
 HALF_PAGE = PAGE_SIZE // 2  # keys per consumer in v2
-KERNEL_VARIANTS = ("v1", "v2", "v3", "v4", "v5", "v6", "v7")
-CHUNK = 64  # v7: columns per load chunk (one 128-byte swizzle row of bf16)
-NUM_CHUNKS = KV_DIM // CHUNK  # 9 per page: 8 latent (the V columns) + 1 rope
-CHUNKS_PER_HALF = HALF // CHUNK  # see the module docstring; v1 is the default
-SEESAW_VARIANTS = ("v3", "v4", "v5")  # consumers score alternate pages and trade P
-PAIRED_VARIANTS = ("v4", "v5", "v6")  # two row tiles per cluster share each page by TMA multicast
+KERNEL_VARIANTS = ("v1", "v2", "v3")  # see the module docstring; v1 is the default
 # v2's row reductions stay inside a warp (wgmma layout, axis 1), so Mosaic's cross-warp reduction scratch
 # (default 2 KiB, reserved whether used or not) is cut to 1 KiB: the room for v2's exchange buffers.
 V2_REDUCTION_SCRATCH = 1024
@@ -120,46 +131,14 @@ def _pv(acc, p16, v, p_stage, interpret: bool):
     return pl.run_state(lambda o_ref: plgpu.wgmma(o_ref, p16, v))(plgpu.ACC.init(acc))
 
 
-def _pv2(acc, p1, v1, p2, v2, p_stage, interpret: bool):
-    """acc + P1 V1 + P2 V2 with one wait for the tensor cores (two chained wgmmas on one accumulator)."""
-    if interpret:
-        return _pv(_pv(acc, p1, v1, p_stage, interpret), p2, v2, p_stage, interpret)
-
-    def pv2(o_ref):
-        plgpu.wgmma(o_ref, p1, v1)
-        plgpu.wgmma(o_ref, p2, v2)
-
-    return pl.run_state(pv2)(plgpu.ACC.init(acc))
-
-
-def _traced(wg: jax.Array, index: int) -> jax.Array:
-    """`index` as a traced value: a literal ref index reaches a wgmma inside `run_state` as a Python int,
-    which Mosaic's lowering rejects."""
-    return wg * 0 + index
-
-
-def _pv_chunks(accs, p16, vs, p_stage, interpret: bool):
-    """accs[c] + P V_c for the V chunks [64, 64] of one output half, chained under one wait."""
-    if interpret:
-        return tuple(_pv(a, p16, v, p_stage, interpret) for a, v in zip(accs, vs))
-
-    def pv(refs):
-        for r, v in zip(refs, vs):
-            plgpu.wgmma(r, p16, v)
-
-    return pl.run_state(pv)(tuple(plgpu.ACC.init(a) for a in accs))
-
-
 def _kernel(
     q_ref, kv_ref, bt_ref, qstart_ref, kvlen_ref,  # inputs (GMEM)
     out_ref, lse_ref,  # outputs (GMEM)
     q_smem, k_smem, lse_smem, p_smem, mx_smem, px_smem, q_bar, k_bars, consumed_bars, done_bar, m_bar, p_bar,
     *, num_heads: int, num_queries: int, num_splits: int, softmax_scale: float, interpret: bool, variant: str,
-    paired: bool,
 ):
     b = lax.axis_index("b")
-    # paired (v4): a cluster of two CTAs takes row tiles 2t and 2t + 1, which see the same pages.
-    tile = lax.axis_index("t") * 2 + lax.axis_index("c") if paired else lax.axis_index("t")
+    tile = lax.axis_index("t")
     split = lax.axis_index("s")
     wg = lax.axis_index("wg")
     row0 = tile * BLOCK_ROWS
@@ -174,17 +153,10 @@ def _kernel(
     blk_lo = jnp.minimum(split * per_split, n_blocks)
     n_steps = jnp.minimum(blk_lo + per_split, n_blocks) - blk_lo
 
-    chunked = variant == "v7"
-
     @pl.when(wg == 2)
     def _producer():
         plgpu.set_max_registers(40, action="decrease")
-        if chunked:  # v7: Q and every page as 9 column chunks [64, 64], each with its own barrier
-            for j in range(NUM_CHUNKS):
-                plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, BLOCK_ROWS), pl.ds(j * CHUNK, CHUNK)],
-                                        q_smem.at[j], q_bar.at[j])
-        else:
-            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, BLOCK_ROWS)], q_smem, q_bar.at[0])
+        plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, BLOCK_ROWS)], q_smem, q_bar.at[0])
 
         @pl.loop(0, n_steps)
         def _load(i):
@@ -195,19 +167,11 @@ def _kernel(
                 plgpu.barrier_wait(consumed_bars.at[slot])
 
             page = bt_ref[b, blk_lo + i]
-            if chunked:
-                for j in range(NUM_CHUNKS):
-                    plgpu.copy_gmem_to_smem(kv_ref.at[page, :, pl.ds(j * CHUNK, CHUNK)], k_smem.at[slot, j],
-                                            k_bars.at[slot, j])
-                return
-            # paired: both CTAs issue the copy; TMA multicast brings the page to both from one read of L2.
-            plgpu.copy_gmem_to_smem(kv_ref.at[page], k_smem.at[slot], k_bars.at[slot],
-                                    collective_axes="c" if paired else None)
+            plgpu.copy_gmem_to_smem(kv_ref.at[page], k_smem.at[slot], k_bars.at[slot])
 
     def consumer(half: int):
         plgpu.set_max_registers(232, action="increase")
-        for j in range(NUM_CHUNKS if chunked else 1):
-            plgpu.barrier_wait(q_bar.at[j])
+        plgpu.barrier_wait(q_bar.at[0])
         scale2 = softmax_scale * _LOG2E
         other = 1 - half
 
@@ -308,91 +272,15 @@ def _kernel(
             plgpu.barrier_arrive(consumed_bars.at[slot])
             return acc, m_new, l_i
 
-        def own_page_only(slot, s, carry):
-            acc, m_i, l_i = carry
-            m_new = jnp.maximum(m_i, s.max(axis=1))
-            alpha = jnp.exp2(m_i - m_new)
-            p16 = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0])).astype(k_smem.dtype)
-            publish(p16, m_new)
-            l_i = l_i * alpha + p16.astype(jnp.float32).sum(axis=1)
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            acc = _pv(acc, p16, v_half(slot), p_stage, interpret)
-            plgpu.barrier_arrive(consumed_bars.at[slot])
-            return acc, m_new, l_i
-
-        def other_then_own_page(i, slot, s, carry):
-            # v5: page i - 1's P and max arrive, page i's softmax is published at once (the other consumer
-            # waits on it), and only then do both P V products run, page i - 1's P rescaled to page i's max
-            # in registers so that the two wgmmas chain with one wait.
-            acc, m_i, l_i = carry
-            prev_slot = lax.rem(i - 1, NUM_SLOTS)
-            plgpu.barrier_wait(k_bars.at[prev_slot])
-            plgpu.barrier_wait(p_bar if half == 0 else m_bar)
-            m_other = plgpu.load(mx_smem.at[other], layout=_ROW_LAYOUT)
-            p_other = plgpu.load(px_smem, layout=plgpu.Layout.WGMMA)
-            m_new = jnp.maximum(m_other, s.max(axis=1))
-            p16 = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0])).astype(k_smem.dtype)
-            publish(p16, m_new)
-            beta = jnp.exp2(m_other - m_new)
-            p_other = p_other.astype(jnp.float32) * lax.broadcast_in_dim(beta, s.shape, [0])
-            p_other = p_other.astype(p16.dtype)
-            alpha = jnp.exp2(m_i - m_new)
-            l_i = l_i * alpha + p_other.astype(jnp.float32).sum(axis=1) + p16.astype(jnp.float32).sum(axis=1)
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            acc = _pv2(acc, p_other, v_half(prev_slot), p16, v_half(slot), p_stage, interpret)
-            plgpu.barrier_arrive(consumed_bars.at[prev_slot])
-            plgpu.barrier_arrive(consumed_bars.at[slot])
-            return acc, m_new, l_i
-
-        def turn_v5(t, carry):
-            i = 2 * t + half
-            slot = lax.rem(i, NUM_SLOTS)
-            plgpu.barrier_wait(k_bars.at[slot])
-            s = _masked_scores(q_smem, k_smem, slot, 0, PAGE_SIZE, (blk_lo + i) * PAGE_SIZE, limit, scale2)
-            if half == 0:  # page 0 has no predecessor
-                return lax.cond(i > 0, functools.partial(other_then_own_page, i, slot, s),
-                                functools.partial(own_page_only, slot, s), carry)
-            return other_then_own_page(i, slot, s, carry)
-
-        def step_v7(i, carry):
-            # v1 on chunked pages: the QK product starts on chunk 0 while the rest of the page lands, and
-            # the output half is four [64, 64] accumulators (one per V chunk).
-            accs, m_i, l_i = carry
-            slot = lax.rem(i, NUM_SLOTS)
-
-            def qk(s_ref):
-                for j in range(NUM_CHUNKS):
-                    plgpu.barrier_wait(k_bars.at[slot, j])
-                    plgpu.wgmma(s_ref, q_smem.at[j], k_smem.at[slot, j].T)
-                return s_ref[...]
-
-            s = pl.run_scoped(qk, plgpu.ACC((BLOCK_ROWS, PAGE_SIZE), jnp.float32))
-            cols = plgpu.broadcasted_iota(jnp.int32, (BLOCK_ROWS, PAGE_SIZE), 1, layout=plgpu.Layout.WGMMA)
-            s = jnp.where((blk_lo + i) * PAGE_SIZE + cols < limit, s * scale2, -jnp.inf)
-            m_new = jnp.maximum(m_i, s.max(axis=1))
-            alpha = jnp.exp2(m_i - m_new)
-            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-            l_i = l_i * alpha + p.sum(axis=1)
-            accs = tuple(a * lax.broadcast_in_dim(alpha, a.shape, [0]) for a in accs)
-            vs = [k_smem.at[slot, _traced(wg, half * CHUNKS_PER_HALF + jj)] for jj in range(CHUNKS_PER_HALF)]
-            accs = _pv_chunks(accs, p.astype(k_smem.dtype), vs, p_stage, interpret)
-            plgpu.barrier_arrive(consumed_bars.at[slot])
-            return accs, m_new, l_i
-
         acc = plgpu.layout_cast(jnp.zeros((BLOCK_ROWS, HALF), jnp.float32), plgpu.Layout.WGMMA)
         m_i = plgpu.layout_cast(jnp.full((BLOCK_ROWS,), _M_INIT, jnp.float32), _ROW_LAYOUT)
         l_i = plgpu.layout_cast(jnp.zeros((BLOCK_ROWS,), jnp.float32), _ROW_LAYOUT)
-        if variant in SEESAW_VARIANTS:
-            turn = turn_v5 if variant == "v5" else turn_v3
-            carry = lax.fori_loop(0, (n_steps + 1 - half) // 2, turn, (acc, m_i, l_i))
+        if variant == "v3":
+            carry = lax.fori_loop(0, (n_steps + 1 - half) // 2, turn_v3, (acc, m_i, l_i))
             # The last page, when the other consumer scored it, still needs this consumer's P V.
             last_is_other = (n_steps >= 1) & (lax.rem(n_steps - 1, NUM_SLOTS) != half)
             acc, m_i, l_i = lax.cond(last_is_other, functools.partial(take_other_page, n_steps - 1),
                                      lambda c: c, carry)
-        elif chunked:
-            accs = tuple(plgpu.layout_cast(jnp.zeros((BLOCK_ROWS, CHUNK), jnp.float32), plgpu.Layout.WGMMA)
-                         for _ in range(CHUNKS_PER_HALF))
-            accs, m_i, l_i = lax.fori_loop(0, n_steps, step_v7, (accs, m_i, l_i))
         else:
             step = step_v2 if variant == "v2" else step_v1
             acc, m_i, l_i = lax.fori_loop(0, n_steps, step, (acc, m_i, l_i))
@@ -406,35 +294,24 @@ def _kernel(
             l_i = l_i + plgpu.load(mx_smem.at[other], layout=_ROW_LAYOUT)
             # Consumer 0 stages the lse in row 1, which it has read already; consumer 1 now reads only row 0.
             lse_stage = mx_smem.at[1]
-        elif variant in SEESAW_VARIANTS:  # nothing reads the maxima after done_bar
+        elif variant == "v3":  # nothing reads the maxima after done_bar
             lse_stage = mx_smem.at[0]
         else:
             lse_stage = lse_smem
         empty = l_i == 0.0
         l_safe = jnp.where(empty, 1.0, l_i)
-        if chunked:
-            for jj, a in enumerate(accs):
-                q_smem.at[half * CHUNKS_PER_HALF + jj][...] = (
-                    a / lax.broadcast_in_dim(l_safe, a.shape, [0])).astype(q_smem.dtype)
-        else:
-            out = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
-            out_smem = q_smem.at[:, pl.ds(half * HALF, HALF)]
-            out_smem[...] = out.astype(q_smem.dtype)
+        out = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
+        out_smem = q_smem.at[:, pl.ds(half * HALF, HALF)]
+        out_smem[...] = out.astype(q_smem.dtype)
         if half == 0:
             lse_stage[...] = jnp.where(empty, -jnp.inf, (m_i + jnp.log2(l_safe)) * _LN2)
         plgpu.commit_smem()
-        if chunked:  # each chunk of the staged tile is contiguous
-            for jj in range(CHUNKS_PER_HALF):
-                c = half * CHUNKS_PER_HALF + jj
-                plgpu.copy_smem_to_gmem(q_smem.at[c], out_ref.at[b, split, pl.ds(row0, BLOCK_ROWS),
-                                                                 pl.ds(c * CHUNK, CHUNK)])
-        else:
-            # A column half of the tiled tile is not contiguous; each 8-row group of it is (8x64 tiles).
-            for r in range(0, BLOCK_ROWS, 8):
-                plgpu.copy_smem_to_gmem(
-                    q_smem.at[pl.ds(r, 8), pl.ds(half * HALF, HALF)],
-                    out_ref.at[b, split, pl.ds(row0 + r, 8), pl.ds(half * HALF, HALF)],
-                )
+        # A column half of the tiled tile is not contiguous; each 8-row group of it is (8x64 tiles).
+        for r in range(0, BLOCK_ROWS, 8):
+            plgpu.copy_smem_to_gmem(
+                q_smem.at[pl.ds(r, 8), pl.ds(half * HALF, HALF)],
+                out_ref.at[b, split, pl.ds(row0 + r, 8), pl.ds(half * HALF, HALF)],
+            )
         if half == 0:
             plgpu.copy_smem_to_gmem(lse_stage, lse_ref.at[b, split, pl.ds(row0, BLOCK_ROWS)])
         plgpu.wait_smem_to_gmem(0)
@@ -528,17 +405,11 @@ def paged_mla_partials(
     swizzle = plgpu.SwizzleTransform(128)
     dtype = q.dtype
     v2 = variant == "v2"
-    v3 = variant in SEESAW_VARIANTS
-    # v4 and v5 pair the two row tiles of a token (64 heads each) in a cluster; other head counts run as v3.
-    paired = variant in PAIRED_VARIANTS and nh % (2 * BLOCK_ROWS) == 0
-    cluster_barrier = functools.partial(plgpu.ClusterBarrier, collective_axes=("c",))
+    v3 = variant == "v3"
     exchange = v2 or v3  # the consumers trade maxima and P through shared memory
-    v7 = variant == "v7"
-    q_shape = (NUM_CHUNKS, BLOCK_ROWS, CHUNK) if v7 else (BLOCK_ROWS, KV_DIM)
-    page_shape = (NUM_CHUNKS, PAGE_SIZE, CHUNK) if v7 else (PAGE_SIZE, KV_DIM)
     scratch = dict(
-        q_smem=plgpu.SMEM(q_shape, dtype, transforms=(tiling, swizzle)),
-        k_smem=plgpu.SMEM((NUM_SLOTS, *page_shape), dtype, transforms=(tiling, swizzle)),
+        q_smem=plgpu.SMEM((BLOCK_ROWS, KV_DIM), dtype, transforms=(tiling, swizzle)),
+        k_smem=plgpu.SMEM((NUM_SLOTS, PAGE_SIZE, KV_DIM), dtype, transforms=(tiling, swizzle)),
         # v2 stages the lse in its exchange buffer instead (the 256 B that make its budget fit).
         lse_smem=None if exchange else plgpu.SMEM((BLOCK_ROWS,), jnp.float32),
         # Only interpret mode stages the full P tile through shared memory (see the module docstring).
@@ -555,19 +426,17 @@ def paged_mla_partials(
             plgpu.SMEM((BLOCK_ROWS, PAGE_SIZE), dtype, transforms=(tiling, swizzle)) if v3 else None
         ),
         mx_smem=plgpu.SMEM((2, BLOCK_ROWS), jnp.float32) if exchange else None,
-        q_bar=plgpu.Barrier(num_barriers=NUM_CHUNKS if v7 else 1),
-        k_bars=plgpu.Barrier(num_barriers=(NUM_SLOTS, NUM_CHUNKS) if v7 else NUM_SLOTS),
-        # paired: a slot is free once the consumers of both CTAs are done with it (the next multicast
-        # writes both), and neither CTA may exit while the other can still arrive on its barriers.
-        consumed_bars=(cluster_barrier if paired else plgpu.Barrier)(num_arrivals=2, num_barriers=NUM_SLOTS),
-        done_bar=(cluster_barrier if paired else plgpu.Barrier)(num_arrivals=2),
+        q_bar=plgpu.Barrier(num_barriers=1),
+        k_bars=plgpu.Barrier(num_barriers=NUM_SLOTS),
+        consumed_bars=plgpu.Barrier(num_arrivals=2, num_barriers=NUM_SLOTS),
+        done_bar=plgpu.Barrier(num_arrivals=2),
         # v2: both consumers meet at each; v3: m_bar says consumer 0's P is out, p_bar consumer 1's.
         m_bar=plgpu.Barrier(num_arrivals=1 if v3 else 2) if exchange else None,
         p_bar=plgpu.Barrier(num_arrivals=1 if v3 else 2) if exchange else None,
     )
     body = functools.partial(
         _kernel, num_heads=nh, num_queries=nq, num_splits=num_splits,
-        softmax_scale=float(softmax_scale), interpret=bool(interpret), variant=variant, paired=paired,
+        softmax_scale=float(softmax_scale), interpret=bool(interpret), variant=variant,
     )
 
     names = [k for k, v in scratch.items() if v is not None]
@@ -585,10 +454,8 @@ def paged_mla_partials(
             jax.ShapeDtypeStruct((bsz, num_splits, row_tiles * BLOCK_ROWS, LATENT_DIM), dtype),
             jax.ShapeDtypeStruct((bsz, num_splits, row_tiles * BLOCK_ROWS), jnp.float32),
         ),
-        grid=(bsz, row_tiles // 2 if paired else row_tiles, num_splits),
+        grid=(bsz, row_tiles, num_splits),
         grid_names=("b", "t", "s"),
-        cluster=(2,) if paired else (),
-        cluster_names=("c",) if paired else (),
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(
