@@ -410,7 +410,7 @@ def paged_mla_partials(
     scratch = dict(
         q_smem=plgpu.SMEM((BLOCK_ROWS, KV_DIM), dtype, transforms=(tiling, swizzle)),
         k_smem=plgpu.SMEM((NUM_SLOTS, PAGE_SIZE, KV_DIM), dtype, transforms=(tiling, swizzle)),
-        # v2 stages the lse in its exchange buffer instead (the 256 B that make its budget fit).
+        # v2 and v3 stage the lse in their exchange buffer instead (the 256 B that make their budget fit).
         lse_smem=None if exchange else plgpu.SMEM((BLOCK_ROWS,), jnp.float32),
         # Only interpret mode stages the full P tile through shared memory (see the module docstring).
         p_smem=(
