@@ -85,7 +85,7 @@ _LN2 = math.log(2.0)
 _M_INIT = -1e30  # finite so that rows with nothing to attend to in a split give 0, not NaN
 _ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a wgmma tile
 HALF_PAGE = PAGE_SIZE // 2  # keys per consumer in v2
-KERNEL_VARIANTS = ("v1", "v2", "v3")  # see the module docstring; v1 is the default
+KERNEL_VARIANTS = ("v1", "v2", "v3", "v8")  # see the module docstring; v1 is the default
 # v2's row reductions stay inside a warp (wgmma layout, axis 1), so Mosaic's cross-warp reduction scratch
 # (default 2 KiB, reserved whether used or not) is cut to 1 KiB: the room for v2's exchange buffers.
 V2_REDUCTION_SCRATCH = 1024
@@ -103,11 +103,14 @@ def check_variant(variant: str) -> None:
         raise ValueError(f"MLA kernel variant must be one of {KERNEL_VARIANTS}, got {variant!r}")
 
 
-def _masked_scores(q_smem, k_smem, slot, key0: int, nkeys: int, page_pos0, limit, scale2):
+def _masked_scores(q_smem, k_smem, slot, key0: int, nkeys: int, page_pos0, limit, scale2, after_issue=None):
     """Scaled log2-domain scores of the Q tile against keys key0 .. key0 + nkeys of the page in `slot`
-    (wgmma N = nkeys), with positions at or past each row's `limit` [64, nkeys] set to -inf."""
+    (wgmma N = nkeys), with positions at or past each row's `limit` [64, nkeys] set to -inf.
+    `after_issue()` runs between issuing the wgmma and waiting for it (v8's schedule barrier)."""
     def qk(s_ref):
         plgpu.wgmma(s_ref, q_smem, k_smem.at[slot, pl.ds(key0, nkeys)].T)
+        if after_issue is not None:
+            after_issue()
         return s_ref[...]
 
     s = pl.run_scoped(qk, plgpu.ACC((BLOCK_ROWS, nkeys), jnp.float32))
@@ -135,6 +138,7 @@ def _kernel(
     q_ref, kv_ref, bt_ref, qstart_ref, kvlen_ref,  # inputs (GMEM)
     out_ref, lse_ref,  # outputs (GMEM)
     q_smem, k_smem, lse_smem, p_smem, mx_smem, px_smem, q_bar, k_bars, consumed_bars, done_bar, m_bar, p_bar,
+    sched_bar,
     *, num_heads: int, num_queries: int, num_splits: int, softmax_scale: float, interpret: bool, variant: str,
 ):
     b = lax.axis_index("b")
@@ -181,16 +185,27 @@ def _kernel(
 
         p_stage = p_smem.at[half] if interpret else None
 
+        pingpong = variant == "v8"
+
+        def schedule():
+            # v8: the consumers pass this 2-arrival barrier twice a page, consumer 1 once more at the start
+            # and consumer 0 once more at the end, so each one's softmax runs while the other's wgmmas do.
+            plgpu.barrier_arrive(sched_bar)
+            plgpu.barrier_wait(sched_bar)
+
         def step_v1(i, carry):
             acc, m_i, l_i = carry
             slot = lax.rem(i, NUM_SLOTS)
             plgpu.barrier_wait(k_bars.at[slot])
-            s = _masked_scores(q_smem, k_smem, slot, 0, PAGE_SIZE, (blk_lo + i) * PAGE_SIZE, limit, scale2)
+            s = _masked_scores(q_smem, k_smem, slot, 0, PAGE_SIZE, (blk_lo + i) * PAGE_SIZE, limit, scale2,
+                               after_issue=schedule if pingpong else None)
             m_new = jnp.maximum(m_i, s.max(axis=1))
             alpha = jnp.exp2(m_i - m_new)
             p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
             l_i = l_i * alpha + p.sum(axis=1)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            if pingpong:
+                schedule()
             v = k_smem.at[slot, :, pl.ds(half * HALF, HALF)]
             acc = _pv(acc, p.astype(k_smem.dtype), v, p_stage, interpret)
             plgpu.barrier_arrive(consumed_bars.at[slot])
@@ -283,7 +298,11 @@ def _kernel(
                                      lambda c: c, carry)
         else:
             step = step_v2 if variant == "v2" else step_v1
+            if pingpong and half == 1:
+                schedule()
             acc, m_i, l_i = lax.fori_loop(0, n_steps, step, (acc, m_i, l_i))
+            if pingpong and half == 0:
+                schedule()
 
         if variant == "v2":  # the row sum is the two consumers' halves; they meet at done_bar anyway
             mx_smem.at[half][...] = l_i
@@ -433,6 +452,7 @@ def paged_mla_partials(
         # v2: both consumers meet at each; v3: m_bar says consumer 0's P is out, p_bar consumer 1's.
         m_bar=plgpu.Barrier(num_arrivals=1 if v3 else 2) if exchange else None,
         p_bar=plgpu.Barrier(num_arrivals=1 if v3 else 2) if exchange else None,
+        sched_bar=plgpu.Barrier(num_arrivals=2) if variant == "v8" else None,
     )
     body = functools.partial(
         _kernel, num_heads=nh, num_queries=nq, num_splits=num_splits,

@@ -199,7 +199,7 @@ def test_decode_gpu_real_shapes(b, h, max_len):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["v2", "v3"])
+@pytest.mark.parametrize("variant", ["v2", "v3", "v8"])
 @pytest.mark.parametrize("h,b,nq,max_len", [(128, 64, 1, 4096), (16, 128, 1, 4096), (128, 8, 2, 16384),
                                             (16, 1, 1, 100), (128, 3, 1, 64 * 7 + 5)])
 def test_decode_gpu_variants(h, b, nq, max_len, variant):

@@ -1,0 +1,159 @@
+"""Issue 17's kernels and their peers timed by GPU time (`device_time.py`), not by the host clock (GPU only).
+
+Owns the case list and the table: MLA decode variants (H=128 TFLOP/s, H=16 TB/s of cache), the FP8 grouped
+GEMM at 65,536 rows beside torch's fp8 rowwise grouped GEMM, and the dense FP8 GEMM at the attention shapes
+(M = 1, 64, 4096) and 8192^3 beside cuBLAS fp8. Every figure is the median (min/max in the JSON) of the
+per-call GPU time over back-to-back calls; each of our results is checked against its reference first.
+Inputs and checks come from `mla_bench.py` and `moe_gemm_bench.py`.
+
+    python benchmarks/kernel_device_bench.py --out $OUT/device.json                  # everything
+    python benchmarks/kernel_device_bench.py --only mla --mla-variants v1,v8
+    python benchmarks/kernel_device_bench.py --only dense --configs m/4,m/4/w256/b8  # extra tilings
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from device_time import jax_device_time, torch_device_time  # noqa: E402
+from mla_bench import SCALE, _decode_inputs, _rel_err  # noqa: E402
+from moe_gemm_bench import (  # noqa: E402
+    DENSE_SHAPES,
+    E,
+    SHAPES,
+    check_sample,
+    config_label,
+    group_sizes_for,
+    parse_config,
+    random_fp8_weights,
+)
+
+from pallas_kernels.fp8_gemm import default_config, dense_config, fp8_gemm, fp8_grouped_gemm  # noqa: E402
+from pallas_kernels.fp8_quant import quantize_act  # noqa: E402
+from pallas_kernels.mla_decode import mla_decode  # noqa: E402
+from pallas_kernels.mla_reference import mla_decode_reference  # noqa: E402
+
+MLA_CASES = ((128, 64, 4096), (128, 128, 4096), (128, 64, 32768), (128, 128, 32768), (16, 128, 32768))
+
+
+def _row(results: list, case: str, who: str, t: dict, flops: float, nbytes: float, **extra) -> None:
+    med = t["median_ms"]
+    r = dict(case=case, variant=who, median_ms=round(med, 4), min_ms=round(t["min_ms"], 4),
+             max_ms=round(t["max_ms"], 4), tflops=round(flops / med / 1e9, 1), tbps=round(nbytes / med / 1e9, 3),
+             kernels=t.get("kernels"), **extra)
+    results.append(r)
+    print(f"{case:<34} {who:<40} {med:9.4f} ms ({t['min_ms']:.4f}-{t['max_ms']:.4f}) {r['tflops']:7.1f} TF/s "
+          f"{r['tbps']:6.2f} TB/s" + "".join(f" {k}={v}" for k, v in extra.items()), flush=True)
+
+
+def mla(results: list, variants: list[str]) -> None:
+    ref = jax.jit(lambda *a: mla_decode_reference(*a, softmax_scale=SCALE))
+    for h, b, s in MLA_CASES:
+        inp = _decode_inputs(b * 131 + s + h, b, h, s)
+        flops, nbytes = 2.0 * b * h * s * (576 + 512), b * s * 576 * 2.0
+        rout = None
+        if b * s <= 128 * 4096:
+            rout, _ = ref(*[x.astype(jnp.float32) if x.dtype == jnp.bfloat16 else x for x in inp])
+        for v in variants:
+            fn = jax.jit(lambda *a, v=v: mla_decode(*a, softmax_scale=SCALE, variant=v))
+            out, _ = fn(*inp)
+            err = None if rout is None else round(_rel_err(out, rout), 5)
+            _row(results, f"mla H={h} B={b} S={s}", f"pallas {v}", jax_device_time(fn, inp), flops, nbytes,
+                 rel_err=err, nan=bool(jnp.isnan(out).any()))
+        del inp
+
+
+def _torch_fp8(xq, wq):
+    import torch
+
+    a8 = torch.from_dlpack(xq.view(jnp.uint8)).view(torch.float8_e4m3fn)
+    w8 = torch.from_dlpack(wq.view(jnp.uint8)).view(torch.float8_e4m3fn)
+    return torch, a8, w8
+
+
+def grouped(results: list, configs) -> None:
+    for shape, (k, n) in SHAPES.items():
+        m = 65536
+        kx, kw = jax.random.split(jax.random.key(m + n + k))
+        xq, xs = quantize_act(jax.random.normal(kx, (m, k), jnp.bfloat16))
+        wq, ws = random_fp8_weights(kw, E, n, k)
+        gs = group_sizes_for(m, E, "uniform")
+        case, flops = f"grouped {shape} M=65536 uniform", 2.0 * m * n * k
+        for cfg in [default_config(m, E), *configs]:
+            fn = jax.jit(lambda a, b, c, d, g, cfg=cfg: fp8_grouped_gemm(a, b, c, d, g, config=cfg))
+            args = (xq, xs, wq, ws, jnp.asarray(gs))
+            err = round(check_sample(fn(*args), xq, xs, wq, ws, gs, [0, 1, E - 1]), 5)
+            _row(results, case, "pallas " + config_label(cfg), jax_device_time(fn, args), flops, E * n * k,
+                 rel_err=err)
+        torch, a8, w8 = _torch_fp8(xq, wq)
+        offs = torch.tensor(np.cumsum(gs), dtype=torch.int32, device="cuda")
+        sa = torch.from_dlpack(jnp.max(xs, axis=1)).float().contiguous()
+        sb = torch.ones(E, n, device="cuda", dtype=torch.float32)
+        b8 = w8.transpose(-2, -1)
+        _row(results, case, "torch _scaled_grouped_mm fp8 rowwise", torch_device_time(
+            lambda: torch._scaled_grouped_mm(a8, b8, sa, sb, offs=offs, out_dtype=torch.bfloat16)), flops, E * n * k)
+        del xq, xs, wq, ws, a8, w8, b8
+        torch.cuda.empty_cache()
+
+
+def dense(results: list, configs, rows=(1, 64, 4096)) -> None:
+    shapes = [(m, k, n) for m in rows for k, n in DENSE_SHAPES] + [(8192, 8192, 8192)]
+    for m, k, n in shapes:
+        kx, kw = jax.random.split(jax.random.key(m + n))
+        xq, xs = quantize_act(jax.random.normal(kx, (m, k), jnp.bfloat16))
+        wq, ws = random_fp8_weights(kw, 1, n, k)
+        case, flops = f"dense M={m} K={k} N={n}", 2.0 * m * n * k
+        for cfg in [dense_config(m, n, k), *configs]:
+            fn = jax.jit(lambda a, b, c, d, cfg=cfg: fp8_gemm(a, b, c, d, config=cfg))
+            args = (xq, xs, wq[0], ws[0])
+            try:
+                err = round(check_sample(fn(*args), xq, xs, wq, ws, np.array([m]), [0]), 5)
+                _row(results, case, "pallas " + config_label(cfg), jax_device_time(fn, args), flops, n * k,
+                     rel_err=err)
+            except Exception as ex:  # noqa: BLE001 - a tiling that does not fit this shape; report, go on
+                print(f"{case}: {config_label(cfg)} FAILED: {type(ex).__name__}: {str(ex)[:300]}", flush=True)
+        torch, a8, w8 = _torch_fp8(xq, wq[0])
+        one = torch.ones((), device="cuda", dtype=torch.float32)
+        b8 = w8.t()
+        _row(results, case, "torch _scaled_mm fp8 (cuBLAS)", torch_device_time(
+            lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16)), flops, n * k)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="kernel_device_bench.json")
+    ap.add_argument("--only", default="mla,grouped,dense", help="comma list of mla, grouped, dense")
+    ap.add_argument("--mla-variants", default="v1")
+    ap.add_argument("--configs", default="", help="extra FP8 tilings (moe_gemm_bench labels) for grouped/dense")
+    ap.add_argument("--rows", default="1,64,4096", help="dense: M values")
+    a = ap.parse_args()
+    configs = [parse_config(c) for c in a.configs.split(",") if c]
+    results: list = []
+    meta = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__, date=time.strftime("%Y-%m-%d"),
+                argv=sys.argv, timing="GPU time per call from profiler traces (device_time.py)")
+    only = a.only.split(",")
+    try:
+        if "mla" in only:
+            mla(results, a.mla_variants.split(","))
+        if "grouped" in only:
+            grouped(results, configs)
+        if "dense" in only:
+            dense(results, configs, tuple(int(r) for r in a.rows.split(",")))
+    finally:
+        Path(a.out).write_text(json.dumps(dict(meta=meta, results=results), indent=1))
+        print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()
