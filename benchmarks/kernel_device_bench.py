@@ -4,9 +4,12 @@ Owns the case list and the table: MLA decode variants (H=128 TFLOP/s, H=16 TB/s 
 GEMM at 65,536 rows beside torch's fp8 rowwise grouped GEMM, and the dense FP8 GEMM at the attention shapes
 (M = 1, 64, 4096) and 8192^3 beside cuBLAS fp8. Every figure is the median (min/max in the JSON) of the
 per-call GPU time over back-to-back calls; each of our results is checked against its reference first.
+Ours and the torch peers run as separate processes (`--side`): after torch's profiler has run, JAX's
+trace of the same process comes back empty.
 Inputs and checks come from `mla_bench.py` and `moe_gemm_bench.py`.
 
-    python benchmarks/kernel_device_bench.py --out $OUT/device.json                  # everything
+    python benchmarks/kernel_device_bench.py --out $OUT/ours.json                    # everything, ours
+    python benchmarks/kernel_device_bench.py --only grouped,dense --side peer --out $OUT/peer.json
     python benchmarks/kernel_device_bench.py --only mla --mla-variants v1,v8
     python benchmarks/kernel_device_bench.py --only dense --configs m/4,m/4/w256/b8  # extra tilings
 """
@@ -14,6 +17,7 @@ Inputs and checks come from `mla_bench.py` and `moe_gemm_bench.py`.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -30,8 +34,8 @@ from device_time import jax_device_time, torch_device_time  # noqa: E402
 from mla_bench import SCALE, _decode_inputs, _rel_err  # noqa: E402
 from moe_gemm_bench import (  # noqa: E402
     DENSE_SHAPES,
-    E,
     SHAPES,
+    E,
     check_sample,
     config_label,
     group_sizes_for,
@@ -57,9 +61,9 @@ def _row(results: list, case: str, who: str, t: dict, flops: float, nbytes: floa
           f"{r['tbps']:6.2f} TB/s" + "".join(f" {k}={v}" for k, v in extra.items()), flush=True)
 
 
-def mla(results: list, variants: list[str]) -> None:
+def mla(results: list, variants: list[str], cases=MLA_CASES) -> None:
     ref = jax.jit(lambda *a: mla_decode_reference(*a, softmax_scale=SCALE))
-    for h, b, s in MLA_CASES:
+    for h, b, s in cases:
         inp = _decode_inputs(b * 131 + s + h, b, h, s)
         flops, nbytes = 2.0 * b * h * s * (576 + 512), b * s * 576 * 2.0
         rout = None
@@ -74,6 +78,24 @@ def mla(results: list, variants: list[str]) -> None:
         del inp
 
 
+def mla_prefill_chunk(results: list, variants: list[str], t: int = 4096, h: int = 128) -> None:
+    """One sequence's whole-prompt chunk (T = t tokens from position 0, causal) through the kernel core."""
+    from pallas_kernels.mla_decode import paged_mla_attention
+
+    ql, qr, kv, table, _ = _decode_inputs(t + h, 1, h * t, t)  # [1, t*h, ...] queries, t tokens of pages
+    ql, qr = ql.reshape(1, t, h, -1), qr.reshape(1, t, h, -1)
+    start, lens = jnp.zeros((1,), jnp.int32), jnp.full((1,), t, jnp.int32)
+    flops = 2.0 * h * (t * (t + 1) / 2) * (576 + 512)  # causal: token j sees j + 1 positions
+    outs = {}
+    for v in variants:
+        fn = jax.jit(lambda *a, v=v: paged_mla_attention(*a, softmax_scale=SCALE, variant=v))
+        args = (ql, qr, kv, table, start, lens)
+        outs[v] = fn(*args)[0]
+        err = None if v == variants[0] else round(_rel_err(outs[v], outs[variants[0]]), 5)
+        _row(results, f"mla prefill chunk H={h} T={t}", f"pallas {v}", jax_device_time(fn, args), flops, 0.0,
+             err_vs_first=err)
+
+
 def _torch_fp8(xq, wq):
     import torch
 
@@ -82,7 +104,7 @@ def _torch_fp8(xq, wq):
     return torch, a8, w8
 
 
-def grouped(results: list, configs) -> None:
+def grouped(results: list, configs, side: str) -> None:
     for shape, (k, n) in SHAPES.items():
         m = 65536
         kx, kw = jax.random.split(jax.random.key(m + n + k))
@@ -90,31 +112,33 @@ def grouped(results: list, configs) -> None:
         wq, ws = random_fp8_weights(kw, E, n, k)
         gs = group_sizes_for(m, E, "uniform")
         case, flops = f"grouped {shape} M=65536 uniform", 2.0 * m * n * k
-        for cfg in [default_config(m, E), *configs]:
+        for cfg in [default_config(m, E), *configs] if side == "ours" else []:
             fn = jax.jit(lambda a, b, c, d, g, cfg=cfg: fp8_grouped_gemm(a, b, c, d, g, config=cfg))
             args = (xq, xs, wq, ws, jnp.asarray(gs))
             err = round(check_sample(fn(*args), xq, xs, wq, ws, gs, [0, 1, E - 1]), 5)
             _row(results, case, "pallas " + config_label(cfg), jax_device_time(fn, args), flops, E * n * k,
                  rel_err=err)
+        if side == "ours":
+            continue
         torch, a8, w8 = _torch_fp8(xq, wq)
         offs = torch.tensor(np.cumsum(gs), dtype=torch.int32, device="cuda")
         sa = torch.from_dlpack(jnp.max(xs, axis=1)).float().contiguous()
         sb = torch.ones(E, n, device="cuda", dtype=torch.float32)
         b8 = w8.transpose(-2, -1)
-        _row(results, case, "torch _scaled_grouped_mm fp8 rowwise", torch_device_time(
-            lambda: torch._scaled_grouped_mm(a8, b8, sa, sb, offs=offs, out_dtype=torch.bfloat16)), flops, E * n * k)
-        del xq, xs, wq, ws, a8, w8, b8
+        peer = functools.partial(torch._scaled_grouped_mm, a8, b8, sa, sb, offs=offs, out_dtype=torch.bfloat16)
+        _row(results, case, "torch _scaled_grouped_mm fp8 rowwise", torch_device_time(peer), flops, E * n * k)
+        del peer, a8, w8, b8
         torch.cuda.empty_cache()
 
 
-def dense(results: list, configs, rows=(1, 64, 4096)) -> None:
+def dense(results: list, configs, side: str, rows=(1, 64, 4096)) -> None:
     shapes = [(m, k, n) for m in rows for k, n in DENSE_SHAPES] + [(8192, 8192, 8192)]
     for m, k, n in shapes:
         kx, kw = jax.random.split(jax.random.key(m + n))
         xq, xs = quantize_act(jax.random.normal(kx, (m, k), jnp.bfloat16))
         wq, ws = random_fp8_weights(kw, 1, n, k)
         case, flops = f"dense M={m} K={k} N={n}", 2.0 * m * n * k
-        for cfg in [dense_config(m, n, k), *configs]:
+        for cfg in [dense_config(m, n, k), *configs] if side == "ours" else []:
             fn = jax.jit(lambda a, b, c, d, cfg=cfg: fp8_gemm(a, b, c, d, config=cfg))
             args = (xq, xs, wq[0], ws[0])
             try:
@@ -123,20 +147,25 @@ def dense(results: list, configs, rows=(1, 64, 4096)) -> None:
                      rel_err=err)
             except Exception as ex:  # noqa: BLE001 - a tiling that does not fit this shape; report, go on
                 print(f"{case}: {config_label(cfg)} FAILED: {type(ex).__name__}: {str(ex)[:300]}", flush=True)
+        if side == "ours":
+            continue
         torch, a8, w8 = _torch_fp8(xq, wq[0])
         one = torch.ones((), device="cuda", dtype=torch.float32)
         b8 = w8.t()
-        _row(results, case, "torch _scaled_mm fp8 (cuBLAS)", torch_device_time(
-            lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16)), flops, n * k)
+        peer = functools.partial(torch._scaled_mm, a8, b8, one, one, out_dtype=torch.bfloat16)
+        _row(results, case, "torch _scaled_mm fp8 (cuBLAS)", torch_device_time(peer), flops, n * k)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="kernel_device_bench.json")
-    ap.add_argument("--only", default="mla,grouped,dense", help="comma list of mla, grouped, dense")
+    ap.add_argument("--only", default="mla,grouped,dense", help="comma list of mla, prefill, grouped, dense")
     ap.add_argument("--mla-variants", default="v1")
+    ap.add_argument("--mla-cases", default="", help="H:B:S,... (default: MLA_CASES)")
     ap.add_argument("--configs", default="", help="extra FP8 tilings (moe_gemm_bench labels) for grouped/dense")
     ap.add_argument("--rows", default="1,64,4096", help="dense: M values")
+    # JAX's CUPTI tracer fails once torch's profiler has run in the process, so each side is its own run.
+    ap.add_argument("--side", default="ours", choices=["ours", "peer"], help="grouped/dense: ours or the torch peer")
     a = ap.parse_args()
     configs = [parse_config(c) for c in a.configs.split(",") if c]
     results: list = []
@@ -145,11 +174,14 @@ def main() -> None:
     only = a.only.split(",")
     try:
         if "mla" in only:
-            mla(results, a.mla_variants.split(","))
+            cases = [tuple(int(x) for x in c.split(":")) for c in a.mla_cases.split(",") if c] or MLA_CASES
+            mla(results, a.mla_variants.split(","), cases)
+        if "prefill" in only:
+            mla_prefill_chunk(results, a.mla_variants.split(","))
         if "grouped" in only:
-            grouped(results, configs)
+            grouped(results, configs, a.side)
         if "dense" in only:
-            dense(results, configs, tuple(int(r) for r in a.rows.split(",")))
+            dense(results, configs, a.side, tuple(int(r) for r in a.rows.split(",")))
     finally:
         Path(a.out).write_text(json.dumps(dict(meta=meta, results=results), indent=1))
         print(f"wrote {a.out}")

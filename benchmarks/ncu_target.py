@@ -54,7 +54,7 @@ def main() -> None:
         fn = jax.jit(lambda *x: mla_decode(*x, softmax_scale=SCALE, variant=a.variant))
         _profiled(fn, inp)
         return
-    from moe_gemm_bench import E, SHAPES, group_sizes_for, random_fp8_weights
+    from moe_gemm_bench import SHAPES, E, group_sizes_for, random_fp8_weights
 
     if a.case == "grouped":
         k, n = SHAPES[a.shape]

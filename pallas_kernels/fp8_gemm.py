@@ -120,6 +120,11 @@ DECODE_CONFIG = Fp8GemmConfig(wg_split="n", max_concurrent_steps=4)  # 6 stages 
 DENSE_CONFIG = Fp8GemmConfig(wg_split="m", max_concurrent_steps=4, wg_n=256, band=8)
 # Dense GEMMs with too few 128x256 tiles for two waves (M=4096 x N=1536: 192 tiles on 132 SMs).
 NARROW_CONFIG = Fp8GemmConfig(wg_split="m", max_concurrent_steps=4)
+# Dense GEMMs with many tiles but short K (at most SHORT_K_BLOCKS 128-wide blocks): three stages, bands of
+# two. Measured by GPU time on the H200 at 4096 x 1536 -> 24576: 1,096 TFLOP/s against DENSE_CONFIG's 1,045
+# (benchmarks/RESULTS.md, round four; the wall-clock sweep of round three ranked them the same way).
+SHORT_K_CONFIG = Fp8GemmConfig(wg_split="m", max_concurrent_steps=3, wg_n=256, band=2)
+SHORT_K_BLOCKS = 16
 
 
 def default_config(num_rows: int, num_groups: int) -> Fp8GemmConfig:
@@ -135,17 +140,22 @@ def _num_items(cfg: Fp8GemmConfig, num_rows: int, n: int) -> int:
 
 
 def dense_config(num_rows: int, n: int, k: int) -> Fp8GemmConfig:
-    """Tiling of the dense GEMM (one group): ``DENSE_CONFIG`` when its tiles make two waves over the SMs;
-    else ``NARROW_CONFIG`` while its tiles fill at least half the SMs; otherwise (a few rows times a
-    narrow N: decode's attention projections) the decode tiling with K split until the items cover every
-    SM, using the smallest split (at most 16, dividing the K blocks) that does, else the largest there
-    is. Measured on the H200 at M = 1 and 64: 1.3-1.5x faster than the unsplit tiling where it splits
-    (N = 1536 and 7168)."""
+    """Tiling of the dense GEMM (one group):
+    - ``DENSE_CONFIG`` when its tiles make two waves over the SMs (``SHORT_K_CONFIG`` when K is short);
+    - ``NARROW_CONFIG`` for more rows than one decode tile while its tiles fill at least half the SMs;
+    - otherwise (a few rows: decode's projections) the 64 x 256 decode tiling: unsplit when its column
+      tiles fill half the SMs (N = 24576: split-K's fp32 partials cost more than the idle SMs; measured
+      by GPU time at M = 1 and 64, 13.5 / 12.4 us unsplit against 15.7-27.8 split and 18.4 / 21.1 for
+      the 128 x 128 tile), else with K split until the items cover every SM, using the smallest split
+      (at most 16, dividing the K blocks) that does, else the largest there is (N = 1536 and 7168:
+      1.3-2.7x faster than unsplit)."""
     if _num_items(DENSE_CONFIG, num_rows, n) >= 2 * num_sms():
-        return DENSE_CONFIG
-    if 2 * _num_items(NARROW_CONFIG, num_rows, n) >= num_sms():
+        return SHORT_K_CONFIG if num_blocks(k) <= SHORT_K_BLOCKS else DENSE_CONFIG
+    if num_rows > DECODE_CONFIG.tile_m and 2 * _num_items(NARROW_CONFIG, num_rows, n) >= num_sms():
         return NARROW_CONFIG
     items = _num_items(DECODE_CONFIG, num_rows, n)
+    if 2 * items >= num_sms():
+        return DECODE_CONFIG
     splits = [d for d in range(1, 17) if num_blocks(k) % d == 0]
     enough = [d for d in splits if items * d >= num_sms()]
     return dataclasses.replace(DECODE_CONFIG, k_splits=enough[0] if enough else splits[-1])

@@ -25,7 +25,7 @@ Interpret mode (CPU tests): the GPU interpreter cannot take a wgmma A operand fr
 `pl.run_state` accumulators, so under `interpret=True` the P tile is staged through shared memory and
 the P V product is added to the carried accumulator as a value. Everything else is the same code.
 
-Variants (`variant=`, `KERNEL_VARIANTS`; "v1" is the default everywhere):
+Variants (`variant=`, `KERNEL_VARIANTS`; `DEFAULT_VARIANT`, "v2", everywhere, decode and prefill chunks):
 - v1 (above): the two consumers both compute S (QK is 576/1088 of the FLOPs), so the tensor cores do
   ~1.53x the necessary work.
 - v2 (split QK): consumer c scores only keys [32c, 32c + 32) of the page (wgmma N=32 on its half of K),
@@ -44,8 +44,10 @@ Variants (`variant=`, `KERNEL_VARIANTS`; "v1" is the default everywhere):
   which Pallas rounds up to 231,424, plus 8 barriers (64) = 231,488 of the 232,448 allowed. Mosaic's
   default reduction scratch (2 KiB) would make it 232,512: v2's row reductions stay inside a warp, so
   it asks for 1 KiB (`V2_REDUCTION_SCRATCH`; the CPU lowering test holds the budget).
-  Measured on the H200 (2026-12-03): 0.985x v1's time at H=128, B=64-128, S=4K and 1.01-1.04x at H=16,
-  so v1 stays the default (benchmarks/RESULTS.md, "MLA decode v2").
+  Measured on the H200 (2026-12-03) by wall clock: 0.985x v1's time at H=128, B=64-128, S=4K and
+  1.01-1.04x at H=16 ("MLA decode v2" in benchmarks/RESULTS.md); by GPU time from profiler traces
+  (round four): 0.93-0.96x v1's time at H=128, B=64-128, S=4K-32K, 0.94x at H=16, B=128, S=32K, and equal
+  (0.99-1.01x) at B=1-8, so v2 is the decode default since then.
 - v3 (seesaw): consumer c scores the pages i with i % 2 == c (the full 64x64 tile, wgmma N=64), so each
   QK FLOP is done once, and both consumers multiply every page's P by their own 256 V columns. A turn of
   consumer c on page i: QK of page i (it needs only the page, so it overlaps the other consumer's softmax);
@@ -62,6 +64,11 @@ Variants (`variant=`, `KERNEL_VARIANTS`; "v1" is the default everywhere):
   "MLA decode, round three"): v3 with the two row tiles of a token in a 2-CTA cluster sharing each page by
   TMA multicast, v3 with both P V products after the softmax, v1 with that multicast, and v1 with each page
   loaded as 9 column chunks with their own barriers; none was faster than v1.
+- v8 (ping-pong): v1 with a 2-arrival schedule barrier (`sched_bar`) that both consumers pass after issuing
+  QK and after their softmax, consumer 1 once more before its loop and consumer 0 once more after its own,
+  so one consumer's softmax runs while the other's wgmmas do (FlashAttention-3's warpgroup schedule).
+  Measured by GPU time (2026-12-03): 0.99-1.00x v1 at H=128 and 1.03x at H=16: Nsight Compute shows v1's
+  tensor pipe already 80% busy (the consumers drift apart by themselves), so v8 stays a tested variant only.
 """
 
 import functools
@@ -85,7 +92,8 @@ _LN2 = math.log(2.0)
 _M_INIT = -1e30  # finite so that rows with nothing to attend to in a split give 0, not NaN
 _ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a wgmma tile
 HALF_PAGE = PAGE_SIZE // 2  # keys per consumer in v2
-KERNEL_VARIANTS = ("v1", "v2", "v3", "v8")  # see the module docstring; v1 is the default
+KERNEL_VARIANTS = ("v1", "v2", "v3", "v8")  # see the module docstring
+DEFAULT_VARIANT = "v2"  # measured by GPU time, round four (benchmarks/RESULTS.md)
 # v2's row reductions stay inside a warp (wgmma layout, axis 1), so Mosaic's cross-warp reduction scratch
 # (default 2 KiB, reserved whether used or not) is cut to 1 KiB: the room for v2's exchange buffers.
 V2_REDUCTION_SCRATCH = 1024
@@ -406,7 +414,7 @@ def paged_mla_partials(
     softmax_scale: float,
     num_splits: int | None = None,
     interpret: bool | None = None,
-    variant: str = "v1",
+    variant: str = DEFAULT_VARIANT,
 ) -> tuple[jax.Array, jax.Array]:
     """Runs the kernel (`variant` in `KERNEL_VARIANTS`); returns the raw split partials out
     [B, S, R_pad, 512] and lse [B, S, R_pad] with rows R = Q * H padded to a multiple of 64 (every
@@ -498,7 +506,7 @@ def paged_mla_attention(
     num_splits: int | None = None,
     interpret: bool | None = None,
     valid_queries: jax.Array | None = None,
-    variant: str = "v1",
+    variant: str = DEFAULT_VARIANT,
 ) -> tuple[jax.Array, jax.Array]:
     """Kernel core shared by decode and prefill; q_* are [B, Q, H, D]; semantics of
     `mla_reference.paged_attention_reference`. Returns out [B, Q, H, 512] and lse [B, Q, H].
@@ -522,7 +530,7 @@ def mla_decode(
     softmax_scale: float,
     interpret: bool | None = None,
     num_splits: int | None = None,
-    variant: str = "v1",
+    variant: str = DEFAULT_VARIANT,
 ) -> tuple[jax.Array, jax.Array]:
     """Absorbed MLA decode over a paged latent cache (Pallas Mosaic GPU).
 
@@ -533,7 +541,7 @@ def mla_decode(
     `num_splits` overrides the split-KV heuristic; `interpret=True` runs Pallas' GPU interpreter,
     `None` (default) does so whenever the default backend is not a GPU.
     With splits > 1 the partial outputs are kept in q's dtype before the fp32 combine.
-    `variant` picks the kernel design (`KERNEL_VARIANTS`, module docstring); "v1" is the default.
+    `variant` picks the kernel design (`KERNEL_VARIANTS`, module docstring); `DEFAULT_VARIANT` by default.
     """
     q_latent, q_rope, squeeze = as_4d(q_latent, q_rope)
     seq_lens = seq_lens.astype(jnp.int32)

@@ -19,6 +19,7 @@ from pallas_kernels.fp8_gemm import (
     DENSE_CONFIG,
     NARROW_CONFIG,
     PREFILL_CONFIG,
+    SHORT_K_CONFIG,
     Fp8GemmConfig,
     _work_item,
     default_config,
@@ -298,6 +299,7 @@ def test_grouped_gemm_deepseek_shapes_gpu(k, n, m, config):
                                           (Fp8GemmConfig("n", 4, k_splits=2), 64, 7168, 4096),
                                           (Fp8GemmConfig("n", 4, k_splits=8), 8, 2048, 7168),
                                           (Fp8GemmConfig("m", 4, chain=True), 16384, 7168, 4096),
+                                          (SHORT_K_CONFIG, 4096, 1536, 24576),
                                           (Fp8GemmConfig("m", 4, wg_n=256, band=8, cluster_n=2, chain=True),
                                            16384, 2048, 7168)])
 def test_grouped_gemm_lowers_for_hopper_at_deepseek_shapes(config, m, k, n):
@@ -324,7 +326,11 @@ def test_dense_config_splits_k_until_every_sm_has_work():
     one_row = dense_config(1, 1536, 7168)  # 6 column tiles, 56 K blocks: the largest split <= 16 is 14
     assert one_row.wg_split == "n" and one_row.k_splits == 14
     assert dense_config(64, 7168, 16384).k_splits == 8  # 28 tiles x 8 >= 132 SMs
-    assert dense_config(64, 24576, 1536) == NARROW_CONFIG  # 192 128x128 tiles already fill the SMs
+    # 96 column tiles of 64 x 256 fill the SMs well enough: no split, and not the 128-row tile for 64 rows
+    assert dense_config(64, 24576, 1536) == DECODE_CONFIG
+    assert dense_config(1, 24576, 1536) == DECODE_CONFIG
+    assert dense_config(4096, 24576, 1536) == SHORT_K_CONFIG  # 12 K blocks: three stages
+    assert dense_config(8192, 8192, 8192) == DENSE_CONFIG
 
 
 def test_grouped_reference_never_uses_ragged_dot_nor_dequantizes_every_expert():
