@@ -69,6 +69,15 @@ Variants (`variant=`, `KERNEL_VARIANTS`; `DEFAULT_VARIANT`, "v2", everywhere, de
   so one consumer's softmax runs while the other's wgmmas do (FlashAttention-3's warpgroup schedule).
   Measured by GPU time (2026-12-03): 0.99-1.00x v1 at H=128 and 1.03x at H=16: Nsight Compute shows v1's
   tensor pipe already 80% busy (the consumers drift apart by themselves), so v8 stays a tested variant only.
+- v9 (one exchange per page): v2 without `m_bar`. Each consumer publishes its P half scaled by its own
+  running maximum together with that maximum, meets the other at `p_bar` (2 arrivals), and both rescale
+  both halves to the larger maximum (the same bf16 bits times the same factor on both sides, so both hold
+  the same P and each still sums only its own half into l). With one meeting per page the P and maxima
+  buffers could be overwritten before the other has read them, so before publishing page i a consumer
+  waits for page i - 1's `consumed_bars` slot (both P V products on it done, hence both reads), and once
+  more after its loop before staging l in its maxima buffer; no new shared memory. Built after v2's
+  profile (51.8% tensor-pipe use, the most barrier stalls of all variants); interpret-mode and Hopper
+  lowering tests pass; not yet timed on a GPU.
 """
 
 import functools
@@ -92,7 +101,8 @@ _LN2 = math.log(2.0)
 _M_INIT = -1e30  # finite so that rows with nothing to attend to in a split give 0, not NaN
 _ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a wgmma tile
 HALF_PAGE = PAGE_SIZE // 2  # keys per consumer in v2
-KERNEL_VARIANTS = ("v1", "v2", "v3", "v8")  # see the module docstring
+KERNEL_VARIANTS = ("v1", "v2", "v3", "v8", "v9")  # see the module docstring
+SPLIT_QK_VARIANTS = ("v2", "v9")  # consumer c scores keys [32c, 32c + 32) of each page
 DEFAULT_VARIANT = "v2"  # measured by GPU time, round four (benchmarks/RESULTS.md)
 # v2's row reductions stay inside a warp (wgmma layout, axis 1), so Mosaic's cross-warp reduction scratch
 # (default 2 KiB, reserved whether used or not) is cut to 1 KiB: the room for v2's exchange buffers.
@@ -187,7 +197,8 @@ def _kernel(
         scale2 = softmax_scale * _LOG2E
         other = 1 - half
 
-        nkeys = HALF_PAGE if variant == "v2" else PAGE_SIZE  # keys this consumer scores per page
+        split_qk = variant in SPLIT_QK_VARIANTS
+        nkeys = HALF_PAGE if split_qk else PAGE_SIZE  # keys this consumer scores per page
         rows = row0 + plgpu.broadcasted_iota(jnp.int32, (BLOCK_ROWS, nkeys), 0, layout=plgpu.Layout.WGMMA)
         limit = jnp.minimum(q_start + 1 + rows // num_heads, kv_len)
 
@@ -244,6 +255,44 @@ def _kernel(
             p_full = jnp.concatenate([p16, p_other] if half == 0 else [p_other, p16], axis=1)
             v = k_smem.at[slot, :, pl.ds(half * HALF, HALF)]
             acc = _pv(acc, p_full, v, p_stage, interpret)
+            plgpu.barrier_arrive(consumed_bars.at[slot])
+            return acc, m_new, l_i
+
+        def step_v9(i, carry):
+            # v2 with one exchange per page: this consumer's P half goes out scaled by its own running
+            # maximum, with that maximum; both sides then rescale both halves to the larger of the two.
+            acc, m_i, l_i = carry
+            slot = lax.rem(i, NUM_SLOTS)
+            plgpu.barrier_wait(k_bars.at[slot])
+            s = _masked_scores(q_smem, k_smem, slot, half * HALF_PAGE, HALF_PAGE, (blk_lo + i) * PAGE_SIZE,
+                               limit, scale2)
+            m_own = jnp.maximum(m_i, s.max(axis=1))
+            p16 = jnp.exp2(s - lax.broadcast_in_dim(m_own, s.shape, [0])).astype(k_smem.dtype)
+
+            @pl.when(i > 0)
+            def _():  # page i - 1's P V is done on both sides: the other has read what this buffer held
+                plgpu.barrier_wait(consumed_bars.at[lax.rem(i - 1, NUM_SLOTS)])
+
+            px_smem.at[half][...] = p16
+            mx_smem.at[half][...] = m_own
+            plgpu.barrier_arrive(p_bar)
+            plgpu.barrier_wait(p_bar)
+            m_other = plgpu.load(mx_smem.at[other], layout=_ROW_LAYOUT)
+            p_other = plgpu.load(px_smem.at[other], layout=plgpu.Layout.WGMMA)
+            m_new = jnp.maximum(m_own, m_other)
+
+            def rescale(p_half, m_half):
+                # The same bf16 bits and the same factor on both sides, so both hold the same P.
+                c = jnp.exp2(m_half - m_new)
+                scaled = p_half.astype(jnp.float32) * lax.broadcast_in_dim(c, p_half.shape, [0])
+                return scaled.astype(p16.dtype)
+
+            p_mine, p_theirs = rescale(p16, m_own), rescale(p_other, m_other)
+            alpha = jnp.exp2(m_i - m_new)
+            l_i = l_i * alpha + p_mine.astype(jnp.float32).sum(axis=1)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            p_full = jnp.concatenate([p_mine, p_theirs] if half == 0 else [p_theirs, p_mine], axis=1)
+            acc = _pv(acc, p_full, k_smem.at[slot, :, pl.ds(half * HALF, HALF)], p_stage, interpret)
             plgpu.barrier_arrive(consumed_bars.at[slot])
             return acc, m_new, l_i
 
@@ -305,19 +354,24 @@ def _kernel(
             acc, m_i, l_i = lax.cond(last_is_other, functools.partial(take_other_page, n_steps - 1),
                                      lambda c: c, carry)
         else:
-            step = step_v2 if variant == "v2" else step_v1
+            step = {"v2": step_v2, "v9": step_v9}.get(variant, step_v1)
             if pingpong and half == 1:
                 schedule()
             acc, m_i, l_i = lax.fori_loop(0, n_steps, step, (acc, m_i, l_i))
             if pingpong and half == 0:
                 schedule()
 
-        if variant == "v2":  # the row sum is the two consumers' halves; they meet at done_bar anyway
+        if variant == "v9":  # the other may still read this consumer's last maxima until its last P V
+            @pl.when(n_steps > 0)
+            def _():
+                plgpu.barrier_wait(consumed_bars.at[lax.rem(n_steps - 1, NUM_SLOTS)])
+
+        if split_qk:  # the row sum is the two consumers' halves; they meet at done_bar anyway
             mx_smem.at[half][...] = l_i
         # Both consumers must be done reading the Q tile before it is reused to stage the output.
         plgpu.barrier_arrive(done_bar)
         plgpu.barrier_wait(done_bar)
-        if variant == "v2":
+        if split_qk:
             l_i = l_i + plgpu.load(mx_smem.at[other], layout=_ROW_LAYOUT)
             # Consumer 0 stages the lse in row 1, which it has read already; consumer 1 now reads only row 0.
             lse_stage = mx_smem.at[1]
@@ -431,7 +485,7 @@ def paged_mla_partials(
     tiling = plgpu.TilingTransform((8, 64))
     swizzle = plgpu.SwizzleTransform(128)
     dtype = q.dtype
-    v2 = variant == "v2"
+    v2 = variant in SPLIT_QK_VARIANTS
     v3 = variant == "v3"
     exchange = v2 or v3  # the consumers trade maxima and P through shared memory
     scratch = dict(
@@ -458,7 +512,7 @@ def paged_mla_partials(
         consumed_bars=plgpu.Barrier(num_arrivals=2, num_barriers=NUM_SLOTS),
         done_bar=plgpu.Barrier(num_arrivals=2),
         # v2: both consumers meet at each; v3: m_bar says consumer 0's P is out, p_bar consumer 1's.
-        m_bar=plgpu.Barrier(num_arrivals=1 if v3 else 2) if exchange else None,
+        m_bar=plgpu.Barrier(num_arrivals=1 if v3 else 2) if exchange and variant != "v9" else None,
         p_bar=plgpu.Barrier(num_arrivals=1 if v3 else 2) if exchange else None,
         sched_bar=plgpu.Barrier(num_arrivals=2) if variant == "v8" else None,
     )

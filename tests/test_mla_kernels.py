@@ -199,7 +199,7 @@ def test_decode_gpu_real_shapes(b, h, max_len):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["v2", "v3", "v8"])
+@pytest.mark.parametrize("variant", ["v2", "v3", "v8", "v9"])
 @pytest.mark.parametrize("h,b,nq,max_len", [(128, 64, 1, 4096), (16, 128, 1, 4096), (128, 8, 2, 16384),
                                             (16, 1, 1, 100), (128, 3, 1, 64 * 7 + 5)])
 def test_decode_gpu_variants(h, b, nq, max_len, variant):
@@ -409,4 +409,4 @@ def test_unknown_variant_raises():
     kv, table = _make_cache(rng, [10])
     ql, qr = _queries(rng, (1, 16))
     with pytest.raises(ValueError, match="variant"):
-        mla_decode(ql, qr, kv, table, jnp.asarray([10]), softmax_scale=SCALE, interpret=True, variant="v9")
+        mla_decode(ql, qr, kv, table, jnp.asarray([10]), softmax_scale=SCALE, interpret=True, variant="v99")
