@@ -96,6 +96,27 @@ def mla_prefill_chunk(results: list, variants: list[str], t: int = 4096, h: int 
              err_vs_first=err)
 
 
+def merges(results: list, cases=((128, 1, 4096), (128, 8, 4096), (16, 1, 32768), (16, 8, 32768))) -> None:
+    """The split-KV merge alone, `merge_splits` against the candidate `merge_splits_two_pass`, on partials
+    shaped as the kernel writes them for decode at (H, B, S) (splits from `choose_num_splits`)."""
+    from pallas_kernels.mla_decode import BLOCK_ROWS, choose_num_splits, merge_splits, merge_splits_two_pass
+
+    for h, b, s in cases:
+        tiles = -(-h // BLOCK_ROWS)
+        ns = choose_num_splits(b, tiles, s // 64)
+        k1, k2 = jax.random.split(jax.random.key(h + b + s))
+        out_p = jax.random.normal(k1, (b, ns, tiles * BLOCK_ROWS, 512), jnp.bfloat16)
+        lse_p = 3 * jax.random.normal(k2, (b, ns, tiles * BLOCK_ROWS), jnp.float32)
+        ref = None
+        for name, fn in (("merge_splits", merge_splits), ("merge_splits_two_pass", merge_splits_two_pass)):
+            f = jax.jit(lambda o, x, fn=fn, h=h: fn(o, x, 1, h))
+            out, _ = f(out_p, lse_p)
+            err = None if ref is None else round(_rel_err(out, ref), 6)
+            ref = out if ref is None else ref
+            _row(results, f"merge H={h} B={b} S={s} splits={ns}", name, jax_device_time(f, (out_p, lse_p)), 0.0,
+                 out_p.size * 2.0, err_vs_first=err)
+
+
 def _torch_fp8(xq, wq):
     import torch
 
@@ -159,7 +180,7 @@ def dense(results: list, configs, side: str, rows=(1, 64, 4096)) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="kernel_device_bench.json")
-    ap.add_argument("--only", default="mla,grouped,dense", help="comma list of mla, prefill, grouped, dense")
+    ap.add_argument("--only", default="mla,grouped,dense", help="comma list of mla, merge, prefill, grouped, dense")
     ap.add_argument("--mla-variants", default="v1")
     ap.add_argument("--mla-cases", default="", help="H:B:S,... (default: MLA_CASES)")
     ap.add_argument("--configs", default="", help="extra FP8 tilings (moe_gemm_bench labels) for grouped/dense")
@@ -176,6 +197,8 @@ def main() -> None:
         if "mla" in only:
             cases = [tuple(int(x) for x in c.split(":")) for c in a.mla_cases.split(",") if c] or MLA_CASES
             mla(results, a.mla_variants.split(","), cases)
+        if "merge" in only:
+            merges(results)
         if "prefill" in only:
             mla_prefill_chunk(results, a.mla_variants.split(","))
         if "grouped" in only:

@@ -16,6 +16,7 @@ from pallas_kernels.mla_common import KV_DIM, PAGE_SIZE
 from pallas_kernels.mla_decode import (
     KERNEL_VARIANTS,
     merge_splits,
+    merge_splits_two_pass,
     mla_decode,
     paged_mla_partials,
     query_tiles,
@@ -312,6 +313,26 @@ def test_merge_splits_is_the_log_sum_exp_merge():
     np.testing.assert_array_equal(np.asarray(out1), want1)
     assert np.all(np.asarray(lse1)[1, 2:] == -np.inf)
     np.testing.assert_array_equal(np.asarray(lse1)[0], lse_p[0, 0, :rows].reshape(nq, nh))
+
+
+def test_two_pass_merge_equals_the_one_reduce_merge():
+    """The candidate `merge_splits_two_pass` against `merge_splits`: empty splits, fully empty rows, padding
+    queries, and a padding query whose partials hold garbage (masked by lse alone)."""
+    rng = np.random.default_rng(5)
+    b, s, nq, nh = 2, 6, 3, 8
+    out_p = rng.standard_normal((b, s, 64, 512)).astype(np.float32)
+    lse_p = 3 * rng.standard_normal((b, s, 64)).astype(np.float32)
+    lse_p[0, 3:] = -np.inf
+    lse_p[1, :, :nh] = -np.inf
+    out_p[lse_p == -np.inf] = 0.0
+    out_p[1, :, 2 * nh:3 * nh] = np.nan  # padding query 2 of sequence 1: whatever the kernel left there
+    valid = jnp.asarray([3, 2], jnp.int32)
+    args = (jnp.asarray(out_p), jnp.asarray(lse_p), nq, nh, valid)
+    out1, lse1 = merge_splits(*args)
+    out2, lse2 = merge_splits_two_pass(*args)
+    np.testing.assert_allclose(np.asarray(lse2), np.asarray(lse1), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(out2), np.asarray(out1), rtol=1e-4, atol=1e-5)
+    assert np.all(np.asarray(out2)[1, 2:] == 0) and np.all(np.asarray(lse2)[1, 0] == -np.inf)
 
 
 def test_chunk_adaptor_and_model_dispatch_route_to_kernel_and_reference(caplog):
