@@ -2,7 +2,7 @@
 
 Owns the case list and the table: MLA decode variants (H=128 TFLOP/s, H=16 TB/s of cache), the FP8 grouped
 GEMM at 65,536 rows beside torch's fp8 rowwise grouped GEMM, and the dense FP8 GEMM at the attention shapes
-(M = 1, 64, 4096) and 8192^3 beside cuBLAS fp8. Every figure is the median (min/max in the JSON) of the
+(M = 1, 64, 4096) and 8192^3 beside cuBLAS fp8 (at M <= 64 also the swap-AB kernel, `fp8_small_m`). Every figure is the median (min/max in the JSON) of the
 per-call GPU time over back-to-back calls; each of our results is checked against its reference first.
 Ours and the torch peers run as separate processes (`--side`): after torch's profiler has run, JAX's
 trace of the same process comes back empty.
@@ -45,6 +45,7 @@ from moe_gemm_bench import (  # noqa: E402
 
 from pallas_kernels.fp8_gemm import default_config, dense_config, fp8_gemm, fp8_grouped_gemm  # noqa: E402
 from pallas_kernels.fp8_quant import quantize_act  # noqa: E402
+from pallas_kernels.fp8_small_m import SWAP_MAX_ROWS, fp8_gemm_swap_ab  # noqa: E402
 from pallas_kernels.mla_decode import mla_decode  # noqa: E402
 from pallas_kernels.mla_reference import mla_decode_reference  # noqa: E402
 
@@ -168,6 +169,11 @@ def dense(results: list, configs, side: str, rows=(1, 64, 4096)) -> None:
                      rel_err=err)
             except Exception as ex:  # noqa: BLE001 - a tiling that does not fit this shape; report, go on
                 print(f"{case}: {config_label(cfg)} FAILED: {type(ex).__name__}: {str(ex)[:300]}", flush=True)
+        if side == "ours" and m <= SWAP_MAX_ROWS:  # the swap-AB candidate for decode's few rows
+            fn = jax.jit(fp8_gemm_swap_ab)
+            args = (xq, xs, wq[0], ws[0])
+            err = round(check_sample(fn(*args), xq, xs, wq, ws, np.array([m]), [0]), 5)
+            _row(results, case, "pallas swap-AB", jax_device_time(fn, args), flops, n * k, rel_err=err)
         if side == "ours":
             continue
         torch, a8, w8 = _torch_fp8(xq, wq[0])

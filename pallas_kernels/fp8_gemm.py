@@ -421,6 +421,15 @@ def _launch(x_fp8, x_scale, w_fp8, w_scale, row_tiles, *, out_dtype, cfg: Fp8Gem
     return planes[0] if cfg.k_splits == 1 else jnp.sum(planes, axis=0).astype(out_dtype)
 
 
+def check_dense_inputs(x_fp8: jax.Array, x_scale: jax.Array, w_fp8: jax.Array, w_scale: jax.Array) -> None:
+    """One clear error for arguments a dense FP8 GEMM (``fp8_gemm``, ``fp8_small_m``) cannot take."""
+    if w_fp8.ndim != 2:
+        raise ValueError(f"w_fp8 must be [N, K], got shape {w_fp8.shape}")
+    if w_scale.ndim != 2:
+        raise ValueError(f"w_scale must be [ceil(N/128), ceil(K/128)], got shape {w_scale.shape}")
+    _check_inputs(x_fp8, x_scale, w_fp8[None], w_scale[None], jnp.zeros((1,), jnp.int32))
+
+
 @functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))
 def fp8_gemm(
     x_fp8: jax.Array,
@@ -434,12 +443,8 @@ def fp8_gemm(
 ) -> jax.Array:
     """Dense FP8 GEMM ``x [M, K] @ w [N, K].T`` with block scales: the grouped kernel with one group,
     its row tiles computed on the host (``group_tiles.dense_tile_metadata``)."""
-    if w_fp8.ndim != 2:
-        raise ValueError(f"w_fp8 must be [N, K], got shape {w_fp8.shape}")
-    if w_scale.ndim != 2:
-        raise ValueError(f"w_scale must be [ceil(N/128), ceil(K/128)], got shape {w_scale.shape}")
+    check_dense_inputs(x_fp8, x_scale, w_fp8, w_scale)
     m = x_fp8.shape[0]
-    _check_inputs(x_fp8, x_scale, w_fp8[None], w_scale[None], jnp.zeros((1,), jnp.int32))
 
     def row_tiles(padded_rows: int, tile_m: int):
         del padded_rows  # rows past m are padding, sliced off: no zero tail needed
