@@ -230,15 +230,30 @@ def _kernel(
             plgpu.barrier_arrive(consumed_bars.at[slot])
             return acc, m_new, l_i
 
-        def step_v2(i, carry):
-            # This consumer scores keys [32 * half, 32 * half + 32) of the page; l_i sums only its own P
-            # half (the halves are added once, after the loop); m_i is the shared row maximum.
-            acc, m_i, l_i = carry
+        def v_half(slot):
+            return k_smem.at[slot, :, pl.ds(half * HALF, HALF)]
+
+        def own_keys(i, m_i):
+            """Split-QK variants (v2, v9): wait for page i and score this consumer's keys
+            [32 * half, 32 * half + 32); returns the slot, the scores and their row max joined with m_i."""
             slot = lax.rem(i, NUM_SLOTS)
             plgpu.barrier_wait(k_bars.at[slot])
             s = _masked_scores(q_smem, k_smem, slot, half * HALF_PAGE, HALF_PAGE, (blk_lo + i) * PAGE_SIZE,
                                limit, scale2)
-            m_own = jnp.maximum(m_i, s.max(axis=1))
+            return slot, s, jnp.maximum(m_i, s.max(axis=1))
+
+        def full_p_times_v(acc, mine, theirs, slot):
+            """P V on this consumer's half of V with the full P [64, 64] made of the two consumers' halves."""
+            p_full = jnp.concatenate([mine, theirs] if half == 0 else [theirs, mine], axis=1)
+            acc = _pv(acc, p_full, v_half(slot), p_stage, interpret)
+            plgpu.barrier_arrive(consumed_bars.at[slot])
+            return acc
+
+        def step_v2(i, carry):
+            # l_i sums only this consumer's P half (the halves are added once, after the loop); m_i is the
+            # shared row maximum.
+            acc, m_i, l_i = carry
+            slot, s, m_own = own_keys(i, m_i)
             mx_smem.at[half][...] = m_own
             plgpu.barrier_arrive(m_bar)
             plgpu.barrier_wait(m_bar)
@@ -252,21 +267,13 @@ def _kernel(
             plgpu.barrier_arrive(p_bar)
             plgpu.barrier_wait(p_bar)
             p_other = plgpu.load(px_smem.at[other], layout=plgpu.Layout.WGMMA)
-            p_full = jnp.concatenate([p16, p_other] if half == 0 else [p_other, p16], axis=1)
-            v = k_smem.at[slot, :, pl.ds(half * HALF, HALF)]
-            acc = _pv(acc, p_full, v, p_stage, interpret)
-            plgpu.barrier_arrive(consumed_bars.at[slot])
-            return acc, m_new, l_i
+            return full_p_times_v(acc, p16, p_other, slot), m_new, l_i
 
         def step_v9(i, carry):
             # v2 with one exchange per page: this consumer's P half goes out scaled by its own running
             # maximum, with that maximum; both sides then rescale both halves to the larger of the two.
             acc, m_i, l_i = carry
-            slot = lax.rem(i, NUM_SLOTS)
-            plgpu.barrier_wait(k_bars.at[slot])
-            s = _masked_scores(q_smem, k_smem, slot, half * HALF_PAGE, HALF_PAGE, (blk_lo + i) * PAGE_SIZE,
-                               limit, scale2)
-            m_own = jnp.maximum(m_i, s.max(axis=1))
+            slot, s, m_own = own_keys(i, m_i)
             p16 = jnp.exp2(s - lax.broadcast_in_dim(m_own, s.shape, [0])).astype(k_smem.dtype)
 
             @pl.when(i > 0)
@@ -291,13 +298,7 @@ def _kernel(
             alpha = jnp.exp2(m_i - m_new)
             l_i = l_i * alpha + p_mine.astype(jnp.float32).sum(axis=1)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            p_full = jnp.concatenate([p_mine, p_theirs] if half == 0 else [p_theirs, p_mine], axis=1)
-            acc = _pv(acc, p_full, k_smem.at[slot, :, pl.ds(half * HALF, HALF)], p_stage, interpret)
-            plgpu.barrier_arrive(consumed_bars.at[slot])
-            return acc, m_new, l_i
-
-        def v_half(slot):
-            return k_smem.at[slot, :, pl.ds(half * HALF, HALF)]
+            return full_p_times_v(acc, p_mine, p_theirs, slot), m_new, l_i
 
         def publish(p16, m_new):
             # P and its row maxima for the other consumer; one P buffer serves both directions because the
