@@ -440,8 +440,9 @@ def merge_splits(out_parts: jax.Array, lse_parts: jax.Array, num_queries: int, n
     `valid_queries` [B] is given, zeroes (lse -inf) queries j >= valid_queries[b] (a chunk's padding).
 
     One XLA reduction: a variadic reduce over S of (lse broadcast over the 512 columns, out) whose
-    reducer is `_merge_pair`; slicing, masking and the fp32 cast fuse into it as its inputs. The
-    reducer repeats exp/log per column, which costs nothing next to the launch it saves."""
+    reducer is `_merge_pair`; slicing, masking and the fp32 cast fuse into it as its inputs. One launch,
+    but measured by GPU time on the H200 it is slow: 27 us at B=1, H=128 with 32 splits, 2.7x the kernel
+    (benchmarks/RESULTS.md, round four); `merge_splits_two_pass` is the candidate replacement."""
     bsz, ns = out_parts.shape[:2]
     rows = num_queries * num_heads
     out = out_parts[:, :, :rows].reshape(bsz, ns, num_queries, num_heads, LATENT_DIM)
