@@ -433,6 +433,21 @@ def _merge_pair(a: Partial, b: Partial) -> Partial:
     return jnp.where(total > 0, m + jnp.log(safe), -jnp.inf), (oa * wa + ob * wb) / safe
 
 
+def _split_partials(out_parts: jax.Array, lse_parts: jax.Array, num_queries: int, num_heads: int,
+                    valid_queries: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    """What both merges start from: the real rows of the partials as out [B, S, Q, H, 512] and
+    lse [B, S, Q, H], padding queries (j >= valid_queries[b]) set to out 0 / lse -inf in every split."""
+    bsz, ns = out_parts.shape[:2]
+    rows = num_queries * num_heads
+    out = out_parts[:, :, :rows].reshape(bsz, ns, num_queries, num_heads, LATENT_DIM)
+    lse = lse_parts[:, :, :rows].reshape(bsz, ns, num_queries, num_heads)
+    if valid_queries is not None:
+        valid = jnp.arange(num_queries)[None, :] < valid_queries[:, None]  # [B, Q]
+        lse = jnp.where(valid[:, None, :, None], lse, -jnp.inf)
+        out = jnp.where(valid[:, None, :, None, None], out, jnp.zeros((), out.dtype))
+    return out, lse
+
+
 def merge_splits(out_parts: jax.Array, lse_parts: jax.Array, num_queries: int, num_heads: int,
                  valid_queries: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Kernel partials out [B, S, R_pad, 512] / lse [B, S, R_pad] -> out [B, Q, H, 512] (partials' dtype)
@@ -443,14 +458,8 @@ def merge_splits(out_parts: jax.Array, lse_parts: jax.Array, num_queries: int, n
     reducer is `_merge_pair`; slicing, masking and the fp32 cast fuse into it as its inputs. One launch,
     but measured by GPU time on the H200 it is slow: 27 us at B=1, H=128 with 32 splits, 2.7x the kernel
     (benchmarks/RESULTS.md, round four); `merge_splits_two_pass` is the candidate replacement."""
-    bsz, ns = out_parts.shape[:2]
-    rows = num_queries * num_heads
-    out = out_parts[:, :, :rows].reshape(bsz, ns, num_queries, num_heads, LATENT_DIM)
-    lse = lse_parts[:, :, :rows].reshape(bsz, ns, num_queries, num_heads)
-    if valid_queries is not None:
-        valid = jnp.arange(num_queries)[None, :] < valid_queries[:, None]  # [B, Q]
-        lse = jnp.where(valid[:, None, :, None], lse, -jnp.inf)
-        out = jnp.where(valid[:, None, :, None, None], out, jnp.zeros((), out.dtype))
+    out, lse = _split_partials(out_parts, lse_parts, num_queries, num_heads, valid_queries)
+    ns = out.shape[1]
     if ns == 1:
         return out[:, 0], lse[:, 0]
     out = out.astype(jnp.float32)
@@ -467,16 +476,9 @@ def merge_splits_two_pass(out_parts: jax.Array, lse_parts: jax.Array, num_querie
     27 us at B = 1, H = 128 with 32 splits (2.7x the kernel) and 14 us at B = 8; this form is more ops
     (8 fusions on CPU) but each is XLA's common reduction. `kernel_device_bench.py --only merge` times
     both."""
-    bsz, ns = out_parts.shape[:2]
-    if ns == 1:
-        return merge_splits(out_parts, lse_parts, num_queries, num_heads, valid_queries)
-    rows = num_queries * num_heads
-    out = out_parts[:, :, :rows].reshape(bsz, ns, num_queries, num_heads, LATENT_DIM)
-    lse = lse_parts[:, :, :rows].reshape(bsz, ns, num_queries, num_heads)
-    if valid_queries is not None:
-        valid = jnp.arange(num_queries)[None, :] < valid_queries[:, None]  # [B, Q]
-        lse = jnp.where(valid[:, None, :, None], lse, -jnp.inf)
-        out = jnp.where(valid[:, None, :, None, None], out, jnp.zeros((), out.dtype))
+    out, lse = _split_partials(out_parts, lse_parts, num_queries, num_heads, valid_queries)
+    if out.shape[1] == 1:
+        return out[:, 0], lse[:, 0]
     m = jnp.max(lse, axis=1)
     m = jnp.where(m == -jnp.inf, 0.0, m)
     w = jnp.exp(lse - m[:, None])  # [B, S, Q, H]; 0 for an empty split
