@@ -5,6 +5,7 @@ alone prints results and the plan; the other replays process 0's engine steps (l
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 import numpy as np
@@ -14,6 +15,11 @@ from tests.test_distributed import free_port, spawn
 
 MESH = "data=2,tensor=2,expert=2"
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys", "class Stack:\n    def push(self, x):"]
+_GLOO_TEXT = re.compile(r"\[Gloo\]|Rank|is connected to|peer ranks|Expected number of connected|is :|[\d\s.:]")
+
+
+def _without_gloo(text: str) -> str:
+    return _GLOO_TEXT.sub("", text)
 
 
 def test_generate_on_two_processes_matches_one(tmp_path):
@@ -30,10 +36,11 @@ def test_generate_on_two_processes_matches_one(tmp_path):
     assert [p.returncode for p in procs] == [0, 0], outs[0][1][-3000:] + outs[1][1][-3000:]
     rows = [json.loads(ln) for ln in outs[0][0].splitlines() if ln.startswith("{")]
     assert [r["index"] for r in rows] == [0, 1, 2]
-    # Output only on process 0 (gloo's own connection lines aside).
-    # gloo writes its connection line unbuffered and may split it, so match its text, not its prefix.
-    gloo = ("[Gloo]", "connected peer ranks")
-    assert [ln for ln in outs[1][0].splitlines() if ln.strip() and not any(g in ln for g in gloo)] == []
+    # Output only on process 0. gloo's connection lines ("[Gloo] Rank 1 is connected to 3 peer ranks. Expected
+    # number of connected peer ranks is : 3") come from several threads, unbuffered, and interleave mid-line
+    # (CI once saw a lone "3"), so strip gloo's words and the digits/punctuation between them from the whole
+    # text: anything left (a JSON row, the plan, a warning) is process 1 printing what it must not.
+    assert _without_gloo(outs[1][0]) == "", outs[1][0][-2000:]
     assert "KV tokens per shard" in outs[0][1] and "KV tokens per shard" not in outs[1][1]  # the plan, once
 
     handle = dsv3_jax.load(None, mesh=MESH, dtype="float32")  # one process, the same 8-device mesh
