@@ -101,14 +101,14 @@ class MLA(nn.Module):
             new_latent = jnp.concatenate([latent, k_pe], axis=-1)  # [B, T, 576]
             if cache is not None:
                 def paged(pages, new, meta, start, q_lat, q_pe, *layer):
-                    flat, meta = layer_view(pages, meta, layer[0] if layer else None)
-                    flat = write_pages(flat, new, meta, start)
+                    lay = layer[0] if layer else None
                     # The reads below see the written pool, not the old pool plus the new rows: otherwise
                     # XLA may fuse the write into the read and keep the old pool alive (a full copy).
-                    flat = jax.lax.optimization_barrier(flat)
+                    pages = jax.lax.optimization_barrier(write_pages(pages, new, meta, start, lay))
+                    flat, meta = layer_view(pages, meta, lay)
                     o, _ = kernels.mla_attention(q_lat, q_pe, flat, meta.block_table, start, meta.chunk_lens,
                                                  softmax_scale=scale)
-                    return o, flat.reshape(pages.shape)
+                    return o, pages
 
                 # Per batch shard on its own pages (DP attention); as is on one shard.
                 o_lat, pages = dp_attention.shard_local(
@@ -128,12 +128,12 @@ class MLA(nn.Module):
             k = jnp.concatenate([k_nope, jnp.broadcast_to(k_pe[:, :, None, :], (b, t, h, dr))], axis=-1)
             if cache is not None:
                 def paged(kp, vp, k, v, meta, start, *layer):
-                    fk, lmeta = layer_view(kp, meta, layer[0] if layer else None)
-                    fv, _ = layer_view(vp, meta, layer[0] if layer else None)
-                    fk, fv = jax.lax.optimization_barrier((write_pages(fk, k, lmeta, start),
-                                                           write_pages(fv, v, lmeta, start)))
-                    return (gather_pages(fk, lmeta.block_table), gather_pages(fv, lmeta.block_table),
-                            fk.reshape(kp.shape), fv.reshape(vp.shape))
+                    lay = layer[0] if layer else None
+                    kp, vp = jax.lax.optimization_barrier((write_pages(kp, k, meta, start, lay),
+                                                           write_pages(vp, v, meta, start, lay)))
+                    fk, lmeta = layer_view(kp, meta, lay)
+                    fv, _ = layer_view(vp, meta, lay)
+                    return gather_pages(fk, lmeta.block_table), gather_pages(fv, lmeta.block_table), kp, vp
 
                 k, v, kp, vp = dp_attention.shard_local(
                     paged, (cache["k_pages"], cache["v_pages"], k, v, meta, start, *lay),

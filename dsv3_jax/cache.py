@@ -106,18 +106,25 @@ def allocate_contiguous(cfg: ModelConfig, batch: int, max_len: int, form: str = 
 
 
 # ----------------------------------------------------------------------------- page reads and writes
-def write_pages(pages: jax.Array, new: jax.Array, meta: PageMeta, start: jax.Array) -> jax.Array:
-    """Scatter new [B, T, ...] into pages [P, page_size, ...] at positions start + t (t < chunk_lens).
+def write_pages(pages: jax.Array, new: jax.Array, meta: PageMeta, start: jax.Array,
+                layer: jax.Array | None = None) -> jax.Array:
+    """Scatter new [B, T, ...] into pages [P, page_size, ...] at positions start + t (t < chunk_lens); with
+    `layer`, into layer `layer` of a stacked leaf [L, P, page_size, ...] (returned stacked).
 
     Padding tokens (t >= chunk_lens[b]) go to page 0, the pool's never-allocated scratch page.
+    Why the stacked form writes the stack itself rather than `layer_view`'s flat view: a write through a
+    reshape is in place only inside a scan's loop; a one-layer stack (no loop left after XLA's
+    simplification) copied its whole pool every step.
     """
     b, t = new.shape[:2]
-    ps = pages.shape[1]
+    ps = pages.shape[1 if layer is None else 2]
     pos = start[:, None] + jnp.arange(t)[None, :]  # [B, T]
     logical = jnp.minimum(pos // ps, meta.block_table.shape[1] - 1)
     page = jnp.take_along_axis(meta.block_table, logical, axis=1)
     page = jnp.where(meta.token_valid(t), page, 0)
-    return pages.at[page, pos % ps].set(new.astype(pages.dtype))
+    if layer is None:
+        return pages.at[page, pos % ps].set(new.astype(pages.dtype))
+    return pages.at[layer, page, pos % ps].set(new.astype(pages.dtype))
 
 
 def layer_view(pages: jax.Array, meta: PageMeta, layer: jax.Array | None) -> tuple[jax.Array, PageMeta]:
@@ -128,7 +135,8 @@ def layer_view(pages: jax.Array, meta: PageMeta, layer: jax.Array | None) -> tup
     Why: slicing `pages[layer]` out of the scanned stack, and stacking the written slices back, copies
     the whole pool every layer of every step (measured on CPU: a 1-token step 6 ms over 64 pages, 124 ms
     over 4,096); reads and writes through the flat view touch only the pages the batch uses, and the
-    stack is updated in place. Page 0 (and each layer's page `layer * P`) stays scratch."""
+    stack is updated in place (written through `write_pages(..., layer)`, read through this view). Page 0
+    (and each layer's page `layer * P`) stays scratch."""
     if layer is None:
         return pages, meta
     flat = pages.reshape(-1, *pages.shape[2:])
