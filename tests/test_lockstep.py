@@ -15,7 +15,8 @@ from tests.test_distributed import free_port, spawn
 
 MESH = "data=2,tensor=2,expert=2"
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys", "class Stack:\n    def push(self, x):"]
-_GLOO_TEXT = re.compile(r"\[Gloo\]|Rank|is connected to|peer ranks|Expected number of connected|is :|[\d\s.:]")
+_GLOO_TEXT = re.compile(r"\[Gloo\]|Rank|is connected to|peer ranks|Expected number of connected|is :"
+                        r"|[\d\s.:]")
 
 
 def _without_gloo(text: str) -> str:
