@@ -62,7 +62,9 @@ def _row(results: list, case: str, who: str, t: dict, flops: float, nbytes: floa
           f"{r['tbps']:6.2f} TB/s" + "".join(f" {k}={v}" for k, v in extra.items()), flush=True)
 
 
-def mla(results: list, variants: list[str], cases=MLA_CASES) -> None:
+def mla(results: list, variants: list[str], cases=MLA_CASES, splits=(None,)) -> None:
+    """Each variant at each case; `splits` (None: `choose_num_splits`) sweeps the split-KV count, whose
+    merge (`merges`) is most of a small batch's time."""
     ref = jax.jit(lambda *a: mla_decode_reference(*a, softmax_scale=SCALE))
     for h, b, s in cases:
         inp = _decode_inputs(b * 131 + s + h, b, h, s)
@@ -71,11 +73,13 @@ def mla(results: list, variants: list[str], cases=MLA_CASES) -> None:
         if b * s <= 128 * 4096:
             rout, _ = ref(*[x.astype(jnp.float32) if x.dtype == jnp.bfloat16 else x for x in inp])
         for v in variants:
-            fn = jax.jit(lambda *a, v=v: mla_decode(*a, softmax_scale=SCALE, variant=v))
-            out, _ = fn(*inp)
-            err = None if rout is None else round(_rel_err(out, rout), 5)
-            _row(results, f"mla H={h} B={b} S={s}", f"pallas {v}", jax_device_time(fn, inp), flops, nbytes,
-                 rel_err=err, nan=bool(jnp.isnan(out).any()))
+            for ns in splits:
+                fn = jax.jit(lambda *a, v=v, ns=ns: mla_decode(*a, softmax_scale=SCALE, variant=v, num_splits=ns))
+                out, _ = fn(*inp)
+                err = None if rout is None else round(_rel_err(out, rout), 5)
+                who = f"pallas {v}" + ("" if ns is None else f" splits={ns}")
+                _row(results, f"mla H={h} B={b} S={s}", who, jax_device_time(fn, inp), flops, nbytes,
+                     rel_err=err, nan=bool(jnp.isnan(out).any()))
         del inp
 
 
@@ -97,14 +101,18 @@ def mla_prefill_chunk(results: list, variants: list[str], t: int = 4096, h: int 
              err_vs_first=err)
 
 
-def merges(results: list, cases=((128, 1, 4096), (128, 8, 4096), (16, 1, 32768), (16, 8, 32768))) -> None:
+MERGE_CASES = ((128, 1, 4096), (128, 8, 4096), (16, 1, 32768), (16, 8, 32768))
+
+
+def merges(results: list, cases=MERGE_CASES, splits=(None,)) -> None:
     """The split-KV merge alone, `merge_splits` against the candidate `merge_splits_two_pass`, on partials
-    shaped as the kernel writes them for decode at (H, B, S) (splits from `choose_num_splits`)."""
+    shaped as the kernel writes them for decode at (H, B, S) (splits from `choose_num_splits`, or each of
+    `splits`)."""
     from pallas_kernels.mla_decode import BLOCK_ROWS, choose_num_splits, merge_splits, merge_splits_two_pass
 
-    for h, b, s in cases:
+    for (h, b, s), want in ((c, n) for c in cases for n in splits):
         tiles = -(-h // BLOCK_ROWS)
-        ns = choose_num_splits(b, tiles, s // 64)
+        ns = want or choose_num_splits(b, tiles, s // 64)
         k1, k2 = jax.random.split(jax.random.key(h + b + s))
         out_p = jax.random.normal(k1, (b, ns, tiles * BLOCK_ROWS, 512), jnp.bfloat16)
         lse_p = 3 * jax.random.normal(k2, (b, ns, tiles * BLOCK_ROWS), jnp.float32)
@@ -188,7 +196,8 @@ def main() -> None:
     ap.add_argument("--out", default="kernel_device_bench.json")
     ap.add_argument("--only", default="mla,grouped,dense", help="comma list of mla, merge, prefill, grouped, dense")
     ap.add_argument("--mla-variants", default="v1")
-    ap.add_argument("--mla-cases", default="", help="H:B:S,... (default: MLA_CASES)")
+    ap.add_argument("--mla-cases", default="", help="H:B:S,... (default: MLA_CASES; merge: MERGE_CASES)")
+    ap.add_argument("--mla-splits", default="auto", help="mla/merge: split-KV counts, e.g. auto,4,8,16")
     ap.add_argument("--configs", default="", help="extra FP8 tilings (moe_gemm_bench labels) for grouped/dense")
     ap.add_argument("--rows", default="1,64,4096", help="dense: M values")
     # JAX's CUPTI tracer fails once torch's profiler has run in the process, so each side is its own run.
@@ -200,11 +209,12 @@ def main() -> None:
                 argv=sys.argv, timing="GPU time per call from profiler traces (device_time.py)")
     only = a.only.split(",")
     try:
+        cases = [tuple(int(x) for x in c.split(":")) for c in a.mla_cases.split(",") if c]
+        splits = tuple(None if n == "auto" else int(n) for n in a.mla_splits.split(","))
         if "mla" in only:
-            cases = [tuple(int(x) for x in c.split(":")) for c in a.mla_cases.split(",") if c] or MLA_CASES
-            mla(results, a.mla_variants.split(","), cases)
+            mla(results, a.mla_variants.split(","), cases or MLA_CASES, splits)
         if "merge" in only:
-            merges(results)
+            merges(results, cases or MERGE_CASES, splits)
         if "prefill" in only:
             mla_prefill_chunk(results, a.mla_variants.split(","))
         if "grouped" in only:

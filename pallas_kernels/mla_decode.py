@@ -9,7 +9,9 @@ Kernel design (Hopper, one CTA = three warpgroups):
 - Rows are (query token, head) pairs, row = j * H + h, tiled by 64 (one wgmma M). The 64x576 query tile
   (latent ++ rope, laid out by `query_tiles`, one fused XLA op) sits in shared memory for the whole CTA.
 - Warpgroup 2 is the producer: it TMA-loads one 64-token page [64, 576] per step into a two-slot ring,
-  reading the physical page id from `block_table` in global memory.
+  reading the physical page id from `block_table` in global memory. Before reusing a slot it waits for
+  both consumers' release of it (`consumed_bars`), and after its last load it waits for the release of
+  the last pages too (the GPU interpreter requires every phase of a waited barrier to be observed).
 - Warpgroups 0 and 1 are consumers sharing the 64-row tile: each computes the full score tile
   S = Q K^T (64x64, K=576) and the online softmax, and accumulates its own half (256 columns) of
   O = P V where V is the first 512 columns of the same page (so the cache is read once). A 64x512
@@ -190,6 +192,15 @@ def _kernel(
 
             page = bt_ref[b, blk_lo + i]
             plgpu.copy_gmem_to_smem(kv_ref.at[page], k_smem.at[slot], k_bars.at[slot])
+
+        # Observe the consumers' release of the last (up to) NUM_SLOTS pages too: every phase a thread has
+        # waited on a barrier for must be observed before the barrier is freed (Pallas' GPU interpreter
+        # rejects the kernel otherwise once a split has more pages than slots). The producer is idle here
+        # and at most one phase behind on each slot, so this costs the consumers nothing.
+        for back in range(NUM_SLOTS, 0, -1):
+            @pl.when(n_steps >= back)
+            def _(back=back):  # (called at once by pl.when)
+                plgpu.barrier_wait(consumed_bars.at[lax.rem(n_steps - back, NUM_SLOTS)])
 
     def consumer(half: int):
         plgpu.set_max_registers(232, action="increase")

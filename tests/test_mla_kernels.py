@@ -79,6 +79,7 @@ def _assert_close(out, lse, ref_out, ref_lse, tol=2e-2):
         (16, None, [130, 5], 3),  # more splits than some sequences have pages (empty splits)
         (8, 3, [3, 64, 150], 2),  # several query tokens, causal among themselves
         (128, None, [100, 64], 1),  # two 64-head row tiles, one split
+        (16, None, [300, 20], 1),  # 5 pages in one split: more pages than slots, every slot reused
         (128, 2, [70, 130], 2),  # MTP at H=128: four row tiles, two splits (v2 only, see below)
     ],
 )
