@@ -63,12 +63,12 @@ def _f32(*xs):
     return [x.astype(jnp.float32) for x in xs]
 
 
-def _assert_close(out, lse, ref_out, ref_lse, tol=2e-2):
+def _assert_close(out, lse, ref_out, ref_lse, tol=2e-2, lse_atol=2e-2, lse_rtol=2e-3):
     out, ref_out = np.asarray(out, np.float32), np.asarray(ref_out, np.float32)
     assert not np.isnan(out).any() and not np.isnan(np.asarray(lse)).any()
     err = np.linalg.norm(out - ref_out) / np.linalg.norm(ref_out)
     assert err <= tol, f"relative error {err:.3e}"
-    np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), atol=2e-2, rtol=2e-3)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), atol=lse_atol, rtol=lse_rtol)
 
 
 @pytest.mark.parametrize("variant", KERNEL_VARIANTS)
@@ -98,7 +98,11 @@ def test_decode_matches_reference(heads, nq, lens, splits, variant):
     assert lse.dtype == jnp.float32
     ref_out, ref_lse = mla_decode_reference(*_f32(ql, qr), jnp.nan_to_num(kv.astype(jnp.float32)), table, seq,
                                             softmax_scale=SCALE)
-    _assert_close(out, lse, ref_out, ref_lse)
+    # The row sum l (hence lse, which weights the split merge) comes from fp32 P (~1e-6 off here) except in
+    # v3, which by design sums the other consumer's pages from the bf16 P it shares (~1e-3; v9's first
+    # form did so too and this bound caught it).
+    lse_atol = 2e-3 if variant == "v3" else 1e-4
+    _assert_close(out, lse, ref_out, ref_lse, lse_atol=lse_atol, lse_rtol=0)
 
 
 @pytest.mark.parametrize("variant", KERNEL_VARIANTS)
