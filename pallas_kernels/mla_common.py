@@ -3,7 +3,8 @@
 Owns: the cache widths (`LATENT_DIM` 512 + `ROPE_DIM` 64 = `KV_DIM` 576 values per token), the kernel's
 `PAGE_SIZE` (64 tokens; `dsv3_jax.cache.PAGE_SIZE` must equal it, a test ties the two since kernels
 import nothing from dsv3_jax), the argument checks (`as_4d`, `check_cache_args`, `kernel_shape_error`,
-`check_kernel_args`) and `mask_padding_rows`, the rule for a chunk's padding rows. The reference keeps
+`check_kernel_args`), `clamp_page_ids` (the rule for ids outside the pool) and `mask_padding_rows`, the
+rule for a chunk's padding rows. The reference keeps
 the semantics, the kernel modules the kernels; this module imports neither, so nothing imports a private
 helper across modules.
 """
@@ -42,12 +43,25 @@ def check_chunk_query(q_latent: jax.Array) -> None:
         raise ValueError(f"q_latent must be [B, T, H, {LATENT_DIM}], got {q_latent.shape}")
 
 
-def check_cache_args(kv_pages: jax.Array, block_table: jax.Array, batch: int) -> None:
-    """Shape checks shared by references and kernels."""
+def check_cache_args(kv_pages: jax.Array, block_table: jax.Array, batch: int, **lengths: jax.Array) -> None:
+    """Shape and dtype checks shared by references and kernels: the pool, the page table, and each
+    per-sequence length or position in `lengths` (by its argument name) as [B] integers."""
     if kv_pages.ndim != 3:
         raise ValueError(f"kv_pages must be [num_pages, page_size, latent + rope], got {kv_pages.shape}")
     if block_table.ndim != 2 or block_table.shape[0] != batch:
         raise ValueError(f"block_table must be [B={batch}, max_pages], got {block_table.shape}")
+    for name, x in (("block_table", block_table), *lengths.items()):
+        if not jnp.issubdtype(x.dtype, jnp.integer):
+            raise ValueError(f"{name} must be integers, got {x.dtype}")
+        if name != "block_table" and x.shape != (batch,):
+            raise ValueError(f"{name} must be [B={batch}], got {x.shape}")
+
+
+def clamp_page_ids(block_table: jax.Array, num_pages: int) -> jax.Array:
+    """The rule for page ids outside [0, num_pages): the nearest end page. Kernels and references both
+    apply it, so a bad table reads only the pool and both give the same result (a kernel has no way to
+    raise on a traced id, and an unclamped id is a read outside the pool on the GPU)."""
+    return jnp.clip(block_table, 0, num_pages - 1)
 
 
 def kernel_shape_error(latent: int, rope: int, kv_shape: tuple[int, ...]) -> str | None:
@@ -61,10 +75,11 @@ def kernel_shape_error(latent: int, rope: int, kv_shape: tuple[int, ...]) -> str
     return None
 
 
-def check_kernel_args(q_latent: jax.Array, q_rope: jax.Array, kv_pages: jax.Array, block_table: jax.Array
-                      ) -> None:
-    """All checks the kernels make on [B, Q, H, D] queries before launching."""
-    check_cache_args(kv_pages, block_table, q_latent.shape[0])
+def check_kernel_args(q_latent: jax.Array, q_rope: jax.Array, kv_pages: jax.Array, block_table: jax.Array,
+                      **lengths: jax.Array) -> None:
+    """All checks the kernels make on [B, Q, H, D] queries before launching (`lengths` as in
+    `check_cache_args`)."""
+    check_cache_args(kv_pages, block_table, q_latent.shape[0], **lengths)
     err = kernel_shape_error(q_latent.shape[-1], q_rope.shape[-1], kv_pages.shape)
     if err:
         raise ValueError(err)

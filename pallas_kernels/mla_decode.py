@@ -84,6 +84,7 @@ Variants (`variant=`, `KERNEL_VARIANTS`; `DEFAULT_VARIANT`, "v2", everywhere, de
 
 import functools
 import math
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -92,7 +93,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.interpret import resolve_interpret
-from pallas_kernels.mla_common import KV_DIM, LATENT_DIM, PAGE_SIZE, as_4d, check_kernel_args
+from pallas_kernels.mla_common import (
+    KV_DIM,
+    LATENT_DIM,
+    PAGE_SIZE,
+    as_4d,
+    check_cache_args,
+    check_kernel_args,
+    clamp_page_ids,
+)
 
 BLOCK_ROWS = 64  # rows (token, head) per tile: one wgmma M
 HALF = LATENT_DIM // 2  # output columns per consumer warpgroup
@@ -172,7 +181,8 @@ def _kernel(
     # Pages this CTA visits: the tile's last real token bounds the causal range.
     last_tok = jnp.minimum((row0 + BLOCK_ROWS - 1) // num_heads, num_queries - 1)
     tile_end = jnp.minimum(kv_len, q_start + 1 + last_tok)
-    n_blocks = pl.cdiv(tile_end, PAGE_SIZE)
+    # Positions past the block table's capacity do not exist (as in the reference): reads stay in the table.
+    n_blocks = jnp.minimum(pl.cdiv(tile_end, PAGE_SIZE), bt_ref.shape[1])
     per_split = pl.cdiv(n_blocks, num_splits)
     blk_lo = jnp.minimum(split * per_split, n_blocks)
     n_steps = jnp.minimum(blk_lo + per_split, n_blocks) - blk_lo
@@ -190,7 +200,7 @@ def _kernel(
             def _():
                 plgpu.barrier_wait(consumed_bars.at[slot])
 
-            page = bt_ref[b, blk_lo + i]
+            page = clamp_page_ids(bt_ref[b, blk_lo + i], kv_ref.shape[0])
             plgpu.copy_gmem_to_smem(kv_ref.at[page], k_smem.at[slot], k_bars.at[slot])
 
         # Observe the consumers' release of the last (up to) NUM_SLOTS pages too: every phase a thread has
@@ -523,7 +533,9 @@ def paged_mla_partials(
     interpret = resolve_interpret(interpret)
     check_variant(variant)
     bsz, nq, nh, _ = q_latent.shape
-    check_kernel_args(q_latent, q_rope, kv_pages, block_table)
+    check_kernel_args(q_latent, q_rope, kv_pages, block_table, q_start=q_start, kv_len=kv_len)
+    if num_splits is not None and (not isinstance(num_splits, numbers.Integral) or num_splits < 1):
+        raise ValueError(f"num_splits must be a positive int or None (automatic), got {num_splits!r}")
     row_tiles = pl.cdiv(nq * nh, BLOCK_ROWS)
     if num_splits is None:
         num_splits = choose_num_splits(bsz, row_tiles, block_table.shape[1])
@@ -645,6 +657,7 @@ def mla_decode(
     `variant` picks the kernel design (`KERNEL_VARIANTS`, module docstring); `DEFAULT_VARIANT` by default.
     """
     q_latent, q_rope, squeeze = as_4d(q_latent, q_rope)
+    check_cache_args(kv_pages, block_table, q_latent.shape[0], seq_lens=seq_lens)
     seq_lens = seq_lens.astype(jnp.int32)
     out, lse = paged_mla_attention(
         q_latent, q_rope, kv_pages, block_table, seq_lens - q_latent.shape[1], seq_lens,

@@ -25,7 +25,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.mla_common import as_4d, check_chunk_query
+from pallas_kernels.mla_common import as_4d, check_cache_args, check_chunk_query
 from pallas_kernels.mla_decode import paged_mla_attention
 from pallas_kernels.mla_reference import mla_prefill_reference
 
@@ -47,6 +47,7 @@ def mla_prefill(
     `interpret=None` runs Pallas' GPU interpreter whenever the default backend is not a GPU."""
     check_chunk_query(q_latent)
     q_latent, q_rope, _ = as_4d(q_latent, q_rope)
+    check_cache_args(kv_pages, block_table, q_latent.shape[0], start_pos=start_pos, chunk_lens=chunk_lens)
     start_pos = start_pos.astype(jnp.int32)
     chunk_lens = chunk_lens.astype(jnp.int32)
     return paged_mla_attention(

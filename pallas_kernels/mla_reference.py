@@ -18,7 +18,13 @@ but a NaN there would still reach the output through `0 * NaN`.
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.mla_common import as_4d, check_cache_args, check_chunk_query, mask_padding_rows
+from pallas_kernels.mla_common import (
+    as_4d,
+    check_cache_args,
+    check_chunk_query,
+    clamp_page_ids,
+    mask_padding_rows,
+)
 
 
 def paged_attention_reference(
@@ -42,7 +48,8 @@ def paged_attention_reference(
                          f"{q_rope.shape[-1]}")
     page_size = kv_pages.shape[1]
     # Any latent width (512 for DeepSeek-V3; tiny test models use less); the kernels need 512 + 64.
-    kv = kv_pages[block_table].reshape(b, -1, kv_pages.shape[-1])  # [B, S_max, 576], gathered pages
+    pages = kv_pages[clamp_page_ids(block_table, kv_pages.shape[0])]
+    kv = pages.reshape(b, -1, kv_pages.shape[-1])  # [B, S_max, 576], gathered pages
     scores = jnp.einsum("bqhc,bsc->bqhs", q_latent, kv[..., :lat], preferred_element_type=jnp.float32)
     scores += jnp.einsum("bqhr,bsr->bqhs", q_rope, kv[..., lat:], preferred_element_type=jnp.float32)
     scores *= softmax_scale
@@ -77,7 +84,7 @@ def mla_decode_reference(
     """
     del interpret
     q_latent, q_rope, squeeze = as_4d(q_latent, q_rope)
-    check_cache_args(kv_pages, block_table, q_latent.shape[0])
+    check_cache_args(kv_pages, block_table, q_latent.shape[0], seq_lens=seq_lens)
     seq_lens = seq_lens.astype(jnp.int32)
     out, lse = paged_attention_reference(
         q_latent, q_rope, kv_pages, block_table, seq_lens - q_latent.shape[1], seq_lens,
@@ -109,7 +116,7 @@ def mla_prefill_reference(
     del interpret
     check_chunk_query(q_latent)
     q_latent, q_rope, _ = as_4d(q_latent, q_rope)
-    check_cache_args(kv_pages, block_table, q_latent.shape[0])
+    check_cache_args(kv_pages, block_table, q_latent.shape[0], start_pos=start_pos, chunk_lens=chunk_lens)
     start_pos = start_pos.astype(jnp.int32)
     chunk_lens = chunk_lens.astype(jnp.int32)
     out, lse = paged_attention_reference(

@@ -177,6 +177,34 @@ def test_bad_shapes_raise():
         mla_decode(ql, qr, kv[:, :32], table, jnp.asarray([10]), softmax_scale=SCALE, interpret=True)
     with pytest.raises(ValueError, match="block_table"):
         mla_decode_reference(ql, qr, kv, table[:, :, None], jnp.asarray([10]), softmax_scale=SCALE)
+    # Wrong types and lengths are named, in kernel and reference alike (they used to be cast or ignored).
+    for fn in (mla_decode, mla_decode_reference):
+        with pytest.raises(ValueError, match="block_table must be integers"):
+            fn(ql, qr, kv, table.astype(jnp.float32), jnp.asarray([10]), softmax_scale=SCALE)
+        with pytest.raises(ValueError, match="seq_lens must be integers"):
+            fn(ql, qr, kv, table, jnp.asarray([10.0]), softmax_scale=SCALE)
+        with pytest.raises(ValueError, match=r"seq_lens must be \[B=1\]"):
+            fn(ql, qr, kv, table, jnp.asarray([10, 5]), softmax_scale=SCALE)
+    with pytest.raises(ValueError, match="chunk_lens must be integers"):
+        mla_prefill(ql[:, None], qr[:, None], kv, table, jnp.asarray([9]), jnp.asarray([1.0]),
+                    softmax_scale=SCALE)
+    for bad in (0, -2, 1.5):
+        with pytest.raises(ValueError, match="num_splits must be a positive int"):
+            mla_decode(ql, qr, kv, table, jnp.asarray([10]), softmax_scale=SCALE, num_splits=bad)
+
+
+def test_out_of_range_pages_and_lengths_read_only_the_pool():
+    """Page ids outside the pool take the nearest end page and positions past the table's capacity do not
+    exist (`mla_common.clamp_page_ids`), in kernel and reference alike: the kernel reads nothing outside
+    the pool or the table (the GPU interpreter raises on such a read; on a GPU it is a stray read)."""
+    rng = np.random.default_rng(4)
+    kv, table = _make_cache(rng, [150, 60], poison_unused=False)
+    table = table.at[0, 1].set(10_000).at[1, 0].set(-3)
+    ql, qr = _queries(rng, (2, 16))
+    seq = jnp.asarray([10_000, 60], jnp.int32)  # sequence 0 claims far more than its 3 table columns
+    out, lse = mla_decode(ql, qr, kv, table, seq, softmax_scale=SCALE, num_splits=2, interpret=True)
+    ref_out, ref_lse = mla_decode_reference(*_f32(ql, qr, kv), table, seq, softmax_scale=SCALE)
+    _assert_close(out, lse, ref_out, ref_lse, lse_atol=1e-4, lse_rtol=0)
 
 
 # ----------------------------------------------------------------------------------------------- GPU
