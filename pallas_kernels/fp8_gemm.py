@@ -36,6 +36,7 @@ from pallas_kernels.group_tiles import (
     HI,
     LO,
     ROW0,
+    check_group_sizes,
     dense_tile_metadata,
     num_sms,
     pad_axis,
@@ -337,8 +338,7 @@ def _check_inputs(x_fp8, x_scale, w_fp8, w_scale, group_sizes) -> None:
     want_ws = (e, num_blocks(n), num_blocks(k))
     if w_scale.shape != want_ws:
         raise ValueError(f"w_scale must be {want_ws} for w_fp8 {w_fp8.shape}, got {w_scale.shape}")
-    if group_sizes.shape != (e,) or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
-        raise ValueError(f"group_sizes must be integer [{e}], got {group_sizes.shape} {group_sizes.dtype}")
+    check_group_sizes(group_sizes, e)
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.fp8_quant import dequantize_act, dequantize_weight, quantize_act
-from pallas_kernels.group_tiles import segment_matmul
+from pallas_kernels.group_tiles import check_group_sizes, segment_matmul
 
 
 def fp8_gemm_reference(
@@ -40,6 +40,7 @@ def fp8_grouped_gemm_reference(
     out_dtype: jnp.dtype = jnp.bfloat16,
 ) -> jax.Array:
     """Rows of ``x [M, K]`` sorted by group; group ``e``'s rows times ``w[e] [N, K]`` transposed."""
+    check_group_sizes(group_sizes, w_fp8.shape[0])
     x = dequantize_act(x_fp8, x_scale)
     if w_scale.shape[0] != w_fp8.shape[0]:  # checked here: the per-group dequantize sees one group only
         raise ValueError(f"w_scale {w_scale.shape} does not match w_fp8 {w_fp8.shape} in the group axis")

@@ -25,6 +25,7 @@ transposed: see ``_kernel``) that one XLA reduction sums, as the normal tiling d
 from __future__ import annotations
 
 import functools
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -155,7 +156,9 @@ def fp8_gemm_swap_ab(
     rows = round_up(m, _ROW_ALIGN)
     kp, np_ = round_up(k, _BK), round_up(n, _TILE_N)
     kb = kp // _BK
-    ks = k_splits or swap_ab_splits(np_ // _TILE_N, kb)
+    if k_splits is not None and (not isinstance(k_splits, numbers.Integral) or k_splits < 1):
+        raise ValueError(f"k_splits must be a positive int or None (automatic), got {k_splits!r}")
+    ks = k_splits if k_splits is not None else swap_ab_splits(np_ // _TILE_N, kb)
     if kb % ks:
         raise ValueError(f"k_splits={ks} does not divide K={kp} into whole {_BK}-wide blocks")
     k_steps = kb // ks

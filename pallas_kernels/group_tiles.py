@@ -6,9 +6,9 @@ rows (``store_rows``, a power-of-two ladder of TMA stores), how a persistent CTA
 chains) its tiles' K pipelines (``run_tile_pipeline``), the plain-jnp segment matmul over such
 tiles that both references use (``segment_matmul``: the bf16 reference and the FP8 one, which
 dequantizes one group's weight per tile), and the few shape helpers both kernels share
-(``round_up``, ``pad_axis``, ``num_sms``), and the host-side row tiles of a dense GEMM
-(``dense_tile_metadata``). Must not know about dtypes, scales, tilings of N/K or the
-model.
+(``round_up``, ``pad_axis``, ``num_sms``), the host-side row tiles of a dense GEMM
+(``dense_tile_metadata``), and the one check of ``group_sizes`` that kernels and references share
+(``check_group_sizes``). Must not know about operand dtypes, scales, tilings of N/K or the model.
 """
 
 from __future__ import annotations
@@ -139,6 +139,15 @@ def num_sms() -> int:
     return getattr(jax.devices()[0], "core_count", None) or 132
 
 
+def check_group_sizes(group_sizes: jax.Array, num_groups: int) -> None:
+    """``group_sizes`` must be ``[num_groups]`` integers (rows per group; the sizes themselves are traced,
+    so a negative size counts as 0 and rows past ``num_rows`` are dropped, in kernels and references
+    alike)."""
+    if group_sizes.shape != (num_groups,) or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        raise ValueError(f"group_sizes must be integer [{num_groups}], got {group_sizes.shape} "
+                         f"{group_sizes.dtype}")
+
+
 def _reference_row_tile(num_rows: int, num_groups: int) -> int:
     """About the mean rows per group (a power of two in [8, 128]): at most ~2x the rows get computed."""
     return min(128, max(8, 1 << int(math.log2(max(1, num_rows // max(1, num_groups))))))
@@ -156,6 +165,7 @@ def segment_matmul(x: jax.Array, group_sizes: jax.Array, weight_of: Callable[[ja
     """
     m = x.shape[0]
     g = group_sizes.shape[0]
+    check_group_sizes(group_sizes, g)
     if m == 0 or n == 0:
         return jnp.zeros((m, n), jnp.float32)
     t = _reference_row_tile(m, g)

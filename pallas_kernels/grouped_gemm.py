@@ -35,6 +35,7 @@ from pallas_kernels.group_tiles import (
     HI,
     LO,
     ROW0,
+    check_group_sizes,
     num_sms,
     pad_axis,
     round_up,
@@ -236,9 +237,7 @@ def _check_inputs(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> None:
         raise ValueError(f"w must be [G, N, K] of x's dtype {x.dtype}, got {w.shape} {w.dtype}")
     if x.shape[1] != w.shape[2]:
         raise ValueError(f"K mismatch: x {x.shape} vs w {w.shape} ([G, N, K])")
-    if group_sizes.shape != (w.shape[0],) or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
-        raise ValueError(f"group_sizes must be integer [{w.shape[0]}], got {group_sizes.shape} "
-                         f"{group_sizes.dtype}")
+    check_group_sizes(group_sizes, w.shape[0])
 
 
 def _run_kernel(x, w, group_sizes, out_dtype, cfg: GroupedGemmConfig, interpret: bool) -> jax.Array:
@@ -338,9 +337,9 @@ def grouped_gemm_reference(
     """
     m, k = x.shape
     g, n, k2 = w.shape
-    if k != k2 or group_sizes.shape != (g,):
-        raise ValueError(f"shapes do not match: x {x.shape}, w {w.shape} ([G, N, K]), group_sizes "
-                         f"{group_sizes.shape}")
+    if k != k2:
+        raise ValueError(f"K mismatch: x {x.shape} vs w {w.shape} ([G, N, K])")
+    check_group_sizes(group_sizes, g)
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     out = segment_matmul(x.astype(jnp.float32), group_sizes, lambda gi: w[gi].astype(jnp.float32), n)
     return out.astype(out_dtype)

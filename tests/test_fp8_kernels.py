@@ -249,6 +249,10 @@ def test_grouped_gemm_rejects_bad_inputs():
         fp8_grouped_gemm(xq.astype(jnp.bfloat16), xs, wq, ws, gs, interpret=True)
     with pytest.raises(ValueError, match="wg_split"):
         Fp8GemmConfig(wg_split="k")
+    # The reference names the same bad group sizes (it used to cast floats and take any length).
+    for bad in (gs.astype(jnp.float32), gs[:1], gs[None]):
+        with pytest.raises(ValueError, match="group_sizes must be integer"):
+            fp8_grouped_gemm_reference(xq, xs, wq, ws, bad)
 
 
 # ---------------------------------------------------------------- GPU, DeepSeek-V3 shapes

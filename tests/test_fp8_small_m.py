@@ -57,6 +57,9 @@ def test_swap_ab_rejects_bad_input():
         fp8_gemm_swap_ab(xq, xs, wq[None], ws, interpret=True)
     with pytest.raises(ValueError, match="k_splits=3"):
         fp8_gemm_swap_ab(xq, xs, wq, ws, k_splits=3, interpret=True)
+    for bad in (0, -1):  # 0 used to mean "automatic", -1 failed deep in the pipeline
+        with pytest.raises(ValueError, match="k_splits must be a positive int"):
+            fp8_gemm_swap_ab(xq, xs, wq, ws, k_splits=bad, interpret=True)
 
 
 @pytest.mark.parametrize("m,k,n", [(1, 7168, 1536), (64, 1536, 24576), (64, 16384, 7168)])

@@ -113,6 +113,9 @@ def test_kernel_rejects_bad_inputs():
         grouped_gemm(x, w, gs[:1], interpret=True)
     with pytest.raises(ValueError, match="group_sizes"):
         grouped_gemm(x, w, gs.astype(jnp.float32), interpret=True)
+    for bad in (gs.astype(jnp.float32), gs[:1]):  # the reference names them too (it cast floats)
+        with pytest.raises(ValueError, match="group_sizes must be integer"):
+            grouped_gemm_reference(x, w, bad)
     with pytest.raises(ValueError, match="wg_split"):
         GroupedGemmConfig(wg_split="k")
     with pytest.raises(ValueError, match="wg_n"):
