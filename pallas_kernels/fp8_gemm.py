@@ -324,20 +324,27 @@ def _kernel_body(
         plgpu.wait_smem_to_gmem(0)
 
 
-def _check_inputs(x_fp8, x_scale, w_fp8, w_scale, group_sizes) -> None:
+def _check_inputs(x_fp8, x_scale, w_fp8, w_scale, group_sizes, *, grouped: bool = True) -> None:
+    """Grouped weights are [E, N, K] with scales [E, Nb, Kb]; with ``grouped=False`` the caller passed
+    [N, K] / [Nb, Kb] and added the group axis, so messages show the shapes it passed."""
+    def shown(shape):
+        return shape if grouped else shape[1:]
+
     if x_fp8.ndim != 2 or x_fp8.dtype != FP8_DTYPE:
         raise ValueError(f"x_fp8 must be [M, K] float8_e4m3fn, got {x_fp8.shape} {x_fp8.dtype}")
     if w_fp8.ndim != 3 or w_fp8.dtype != FP8_DTYPE:
-        raise ValueError(f"w_fp8 must be [E, N, K] float8_e4m3fn, got {w_fp8.shape} {w_fp8.dtype}")
+        raise ValueError(f"w_fp8 must be {'[E, N, K]' if grouped else '[N, K]'} float8_e4m3fn, got "
+                         f"{shown(w_fp8.shape)} {w_fp8.dtype}")
     m, k = x_fp8.shape
     e, n, k2 = w_fp8.shape
     if k != k2:
-        raise ValueError(f"K mismatch: x_fp8 {x_fp8.shape} vs w_fp8 {w_fp8.shape}")
+        raise ValueError(f"K mismatch: x_fp8 {x_fp8.shape} vs w_fp8 {shown(w_fp8.shape)}")
     if x_scale.shape != (m, num_blocks(k)):
         raise ValueError(f"x_scale must be {(m, num_blocks(k))} for x_fp8 {x_fp8.shape}, got {x_scale.shape}")
     want_ws = (e, num_blocks(n), num_blocks(k))
     if w_scale.shape != want_ws:
-        raise ValueError(f"w_scale must be {want_ws} for w_fp8 {w_fp8.shape}, got {w_scale.shape}")
+        raise ValueError(f"w_scale must be {shown(want_ws)} for w_fp8 {shown(w_fp8.shape)}, got "
+                         f"{shown(w_scale.shape)}")
     check_group_sizes(group_sizes, e)
 
 
@@ -427,7 +434,7 @@ def check_dense_inputs(x_fp8: jax.Array, x_scale: jax.Array, w_fp8: jax.Array, w
         raise ValueError(f"w_fp8 must be [N, K], got shape {w_fp8.shape}")
     if w_scale.ndim != 2:
         raise ValueError(f"w_scale must be [ceil(N/128), ceil(K/128)], got shape {w_scale.shape}")
-    _check_inputs(x_fp8, x_scale, w_fp8[None], w_scale[None], jnp.zeros((1,), jnp.int32))
+    _check_inputs(x_fp8, x_scale, w_fp8[None], w_scale[None], jnp.zeros((1,), jnp.int32), grouped=False)
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))

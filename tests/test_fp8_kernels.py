@@ -234,6 +234,11 @@ def test_dense_gemm_validates_and_reference_is_dequantized_matmul():
     np.testing.assert_allclose(ref, want, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="w_fp8"):
         fp8_gemm(xq, xs, wq[None], ws, interpret=True)
+    # Messages show the dense shapes the caller passed, not the one-group form the kernel runs.
+    with pytest.raises(ValueError, match=r"w_scale must be \(1, 2\) for w_fp8 \(128, 256\), got \(1, 1\)"):
+        fp8_gemm(xq, xs, wq, ws[:, :1], interpret=True)
+    with pytest.raises(ValueError, match=r"w_fp8 must be \[N, K\] float8_e4m3fn, got \(128, 256\) bfloat16"):
+        fp8_gemm(xq, xs, wq.astype(jnp.bfloat16), ws, interpret=True)
 
 
 def test_grouped_gemm_rejects_bad_inputs():
