@@ -2,8 +2,10 @@
 
 Owns the case list and the table: MLA decode variants (H=128 TFLOP/s, H=16 TB/s of cache), the FP8 grouped
 GEMM at 65,536 rows beside torch's fp8 rowwise grouped GEMM, and the dense FP8 GEMM at the attention shapes
-(M = 1, 64, 4096) and 8192^3 beside cuBLAS fp8 (at M <= 64 also the swap-AB kernel, `fp8_small_m`). Every figure is the median (min/max in the JSON) of the
-per-call GPU time over back-to-back calls; each of our results is checked against its reference first.
+(M = 1, 64, 4096) and 8192^3 beside cuBLAS fp8 (at M <= 64 also the swap-AB kernel, `fp8_small_m`), and
+the whole FP8 linear from bf16 activations (`linear`: quantization and GEMM in one program) beside torch's
+fp8 rowwise linear and its bf16 GEMM. Every figure is the median (min/max in the JSON) of the per-call GPU
+time over back-to-back calls; each of our results is checked against its reference first.
 Ours and the torch peers run as separate processes (`--side`): after torch's profiler has run, JAX's
 trace of the same process comes back empty.
 Inputs and checks come from `mla_bench.py` and `moe_gemm_bench.py`.
@@ -12,6 +14,7 @@ Inputs and checks come from `mla_bench.py` and `moe_gemm_bench.py`.
     python benchmarks/kernel_device_bench.py --only grouped,dense --side peer --out $OUT/peer.json
     python benchmarks/kernel_device_bench.py --only mla --mla-variants v1,v8
     python benchmarks/kernel_device_bench.py --only dense --configs m/4,m/4/w256/b8  # extra tilings
+    python benchmarks/kernel_device_bench.py --only linear --rows 1,64 --side peer
 """
 
 from __future__ import annotations
@@ -191,15 +194,65 @@ def dense(results: list, configs, side: str, rows=(1, 64, 4096)) -> None:
         _row(results, case, "torch _scaled_mm fp8 (cuBLAS)", torch_device_time(peer), flops, n * k)
 
 
+def linear(results: list, side: str, rows=(1, 64)) -> None:
+    """A whole FP8 linear from bf16 activations, as the model runs it: the activation quantization in the
+    same program as the GEMM, so XLA may fuse the padding and scale layout into the quantization (the
+    `dense` rows time the GEMM alone, from pre-quantized inputs, where that glue is separate kernels).
+    Ours: `fp8_linear` (the default routing) and quantize + swap-AB. Peers: torch's fp8 rowwise linear
+    (row amax, cast, `_scaled_mm` with per-row scales: coarser than our 1x128 blocks) and the bf16 GEMM
+    of a BF16 checkpoint (`x @ w.T`, cuBLAS)."""
+    from pallas_kernels.fp8_gemm import fp8_linear
+    from pallas_kernels.fp8_reference import fp8_linear_reference
+
+    for m in rows:
+        for k, n in DENSE_SHAPES:
+            kx, kw = jax.random.split(jax.random.key(m + n + k))
+            x = jax.random.normal(kx, (m, k), jnp.bfloat16)
+            wq, ws = random_fp8_weights(kw, 1, n, k)
+            case, flops = f"linear M={m} K={k} N={n}", 2.0 * m * n * k
+            if side == "ours":
+                args = (x, wq[0], ws[0])
+                ref = jax.jit(fp8_linear_reference)(*args)
+                swap = (lambda a, w, s: fp8_gemm_swap_ab(*quantize_act(a), w, s)) if m <= SWAP_MAX_ROWS else None
+                for who, f in (("pallas fp8_linear (default)", fp8_linear), ("pallas quantize + swap-AB", swap)):
+                    if f is None:
+                        continue
+                    fn = jax.jit(f)
+                    out = fn(*args)
+                    _row(results, case, who, jax_device_time(fn, args), flops, n * k,
+                         rel_err=round(_rel_err(out, ref), 5))
+                continue
+            import torch
+
+            xt = torch.from_dlpack(x)
+            wt = torch.from_dlpack(
+                (wq[0].astype(jnp.float32) * jnp.repeat(jnp.repeat(ws[0], 128, 0), 128, 1)[:n, :k])
+                .astype(jnp.bfloat16))
+            w8 = wt.to(torch.float8_e4m3fn)  # |w| stays inside e4m3's range here; the layout is what counts
+            b8, sb = w8.t(), torch.ones(1, n, device="cuda", dtype=torch.float32)
+
+            def rowwise(xt=xt, b8=b8, sb=sb):
+                sa = xt.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / 448.0
+                a8 = (xt.float() / sa).to(torch.float8_e4m3fn)
+                return torch._scaled_mm(a8, b8, sa, sb, out_dtype=torch.bfloat16)
+
+            _row(results, case, "torch fp8 rowwise linear (quantize + _scaled_mm)", torch_device_time(rowwise),
+                 flops, n * k)
+            _row(results, case, "torch bf16 x @ w.T (cuBLAS)",
+                 torch_device_time(functools.partial(torch.matmul, xt, wt.t())), flops, 2 * n * k)
+            del wt, w8, b8
+            torch.cuda.empty_cache()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="kernel_device_bench.json")
-    ap.add_argument("--only", default="mla,grouped,dense", help="comma list of mla, merge, prefill, grouped, dense")
+    ap.add_argument("--only", default="mla,grouped,dense", help="comma list of mla, merge, prefill, grouped, dense, linear")
     ap.add_argument("--mla-variants", default="v1")
     ap.add_argument("--mla-cases", default="", help="H:B:S,... (default: MLA_CASES; merge: MERGE_CASES)")
     ap.add_argument("--mla-splits", default="auto", help="mla/merge: split-KV counts, e.g. auto,4,8,16")
     ap.add_argument("--configs", default="", help="extra FP8 tilings (moe_gemm_bench labels) for grouped/dense")
-    ap.add_argument("--rows", default="1,64,4096", help="dense: M values")
+    ap.add_argument("--rows", default="1,64,4096", help="dense/linear: M values")
     # JAX's CUPTI tracer fails once torch's profiler has run in the process, so each side is its own run.
     ap.add_argument("--side", default="ours", choices=["ours", "peer"], help="grouped/dense: ours or the torch peer")
     a = ap.parse_args()
@@ -221,6 +274,8 @@ def main() -> None:
             grouped(results, configs, a.side)
         if "dense" in only:
             dense(results, configs, a.side, tuple(int(r) for r in a.rows.split(",")))
+        if "linear" in only:
+            linear(results, a.side, tuple(int(r) for r in a.rows.split(",")))
     finally:
         Path(a.out).write_text(json.dumps(dict(meta=meta, results=results), indent=1))
         print(f"wrote {a.out}")
