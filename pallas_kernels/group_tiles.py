@@ -165,7 +165,6 @@ def segment_matmul(x: jax.Array, group_sizes: jax.Array, weight_of: Callable[[ja
     """
     m = x.shape[0]
     g = group_sizes.shape[0]
-    check_group_sizes(group_sizes, g)
     if m == 0 or n == 0:
         return jnp.zeros((m, n), jnp.float32)
     t = _reference_row_tile(m, g)
