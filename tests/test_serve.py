@@ -17,15 +17,23 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import numpy as np
-import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from dsv3_jax import api
 from dsv3_jax.chat import encode_chat
 from dsv3_jax.engine import EngineConfig
+
+# The serving extras: the server runs on fastapi + uvicorn, this side talks to it with openai and httpx and
+# parses /metrics with prometheus_client. An image without them (the GPU machine's) skips this module.
+_EXTRAS = "the server tests need the serving extras (pip install -e '.[test]')"
+pytest.importorskip("fastapi", reason=f"fastapi is not installed: {_EXTRAS}")
+pytest.importorskip("uvicorn", reason=f"uvicorn is not installed: {_EXTRAS}")
+httpx = pytest.importorskip("httpx", reason=f"httpx is not installed: {_EXTRAS}")
+openai = pytest.importorskip("openai", reason=f"openai is not installed: {_EXTRAS}")
+text_string_to_metric_families = pytest.importorskip(
+    "prometheus_client.parser", reason=f"prometheus_client is not installed: {_EXTRAS}"
+).text_string_to_metric_families
 
 MODEL = "dsv3-default"
 STARTUP_S = 300  # load + compile on a busy 2-core box

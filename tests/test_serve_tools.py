@@ -12,18 +12,26 @@ import json
 import time
 import types
 
-import openai
 import pytest
-from fastapi.testclient import TestClient
 
 from dsv3_jax import cache as kv_cache
 from dsv3_jax.engine import EngineConfig, StepEvent
 from dsv3_jax.paging import PagePool
-from dsv3_jax.serve.app import Service, create_app
-from dsv3_jax.serve.metrics import Metrics
 from dsv3_jax.serve.parsers import CALL_BEGIN, CALL_END, CALL_SEP, CALLS_BEGIN, CALLS_END
 from dsv3_jax.serve.runner import EngineRunner
 from dsv3_jax.tokenizer import Tokenizer
+
+# The serving extras: the app is fastapi (its TestClient drives it through httpx), /metrics is
+# prometheus_client, the client is openai. An image without them (the GPU machine's) skips this module.
+_EXTRAS = "the server tests need the serving extras (pip install -e '.[test]')"
+for _name in ("fastapi", "httpx", "prometheus_client"):
+    pytest.importorskip(_name, reason=f"{_name} is not installed: {_EXTRAS}")
+openai = pytest.importorskip("openai", reason=f"openai is not installed: {_EXTRAS}")
+
+from fastapi.testclient import TestClient  # noqa: E402
+
+from dsv3_jax.serve.app import Service, create_app  # noqa: E402
+from dsv3_jax.serve.metrics import Metrics  # noqa: E402
 
 MODEL = "scripted"
 ARGS = '{"city": "Paris", "days": [1, 2]}'
