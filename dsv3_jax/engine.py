@@ -4,8 +4,10 @@ prefill, prefix caching, preemption, cancellation, logprobs, a non-finite guard 
 Owns: the public contract (docs: /work/notes/ENGINE_API.md; `Engine`, `EngineConfig`, `StepEvent`,
 `TokenLogprob`), request validation and pages-needed, the step loop  schedule (scheduler.py) -> lay out
 the host batch (step.py) -> execute on device -> commit results, the compiled steps (one per
-`step.StepKey`, compiled ahead of time and timed; compile time is reported apart from step times), the
-device-resident cache and per-request state, and the JAX persistent compilation cache setting.
+`step.StepKey`: the engine's fixed `step.StepShapes` in two modes at one page-table width, at most 8 by
+default, all compiled by `warmup()` before serving, in parallel, and timed; compile time is reported apart
+from step times), the device-resident cache and per-request state, and the JAX persistent compilation
+cache setting.
 Must not own model math (model.py), sampling rules (sampling.py), the batch layout (step.py), the
 schedule (scheduler.py) or page bookkeeping (paging.py).
 
@@ -23,13 +25,14 @@ request's length; their cache slots are overwritten by later steps.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import os
 import time
 import weakref
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -92,8 +95,11 @@ class EngineConfig:
     spec_k: int = 0  # MTP draft tokens per step (0 = off, 1..3)
     token_budget: int | None = None  # accepted alias of max_batched_tokens
     pipeline: bool = True  # dispatch step k+1 before reading step k (off: one step at a time)
-    token_buckets: tuple[int, ...] = ()  # flat-token buckets (default: powers of two)
-    row_buckets: tuple[int, ...] = ()  # sequence-count buckets (default: 1, 4, 16, 64, ...)
+    # Step shapes (step.StepShapes): decode capacities of these row counts and max_batch (default 4, 32),
+    # mixed/prefill capacities of these token counts and max_batched_tokens (default: the budget only).
+    # Each pair compiles twice (greedy and full); the defaults give at most 8 programs.
+    token_buckets: tuple[int, ...] = ()
+    row_buckets: tuple[int, ...] = ()
     # XLA options for compiling the step, e.g. {"xla_gpu_enable_command_buffer": "FUSION,...,WHILE"}
     # (benchmarks/engine_bench.py measures such choices on the GPU).
     compiler_options: dict[str, Any] | None = None
@@ -102,10 +108,8 @@ class EngineConfig:
         if self.token_budget is not None:
             self.max_batched_tokens = self.token_budget
         self.token_budget = self.max_batched_tokens
-        if not self.token_buckets:
-            self.token_buckets = step.pow2_buckets(1, max(self.max_batched_tokens, 1))
-        if not self.row_buckets:
-            self.row_buckets = step.pow2_buckets(1, max(self.max_batch, 1), 4)
+        self.token_buckets = tuple(int(t) for t in self.token_buckets)
+        self.row_buckets = tuple(int(r) for r in self.row_buckets)
 
 
 @dataclasses.dataclass
@@ -169,12 +173,20 @@ class Engine:
         if c.chunk_size < 1 or c.max_batched_tokens < c.spec_k + 1 or c.max_batch < 1:
             raise ValueError("chunk_size, max_batch must be >= 1 and max_batched_tokens >= spec_k + 1")
         self._shards = 1
-        if handle.mesh is not None:  # the flat token batch is split over data x expert: whole buckets
+        if handle.mesh is not None:
+            # DP attention: batch shard s holds its sequences' pages only (slice s of the pool), and the
+            # flat token batch is split over data x expert, so token capacities are multiples of m.
             m = sharding.batch_multiple(handle.mesh)
-            c.token_buckets = tuple(b for b in c.token_buckets if b % m == 0) or (m,)
-            # DP attention: batch shard s holds its sequences' pages only (slice s of the pool).
             self._shards = m
             c.num_pages = -(-c.num_pages // m) * m
+        self.shapes = step.StepShapes.make(max_rows=c.max_batch, max_tokens=c.max_batched_tokens,
+                                           spec_k=c.spec_k, decode_rows=c.row_buckets,
+                                           token_caps=c.token_buckets, multiple=self._shards)
+        # One page-table width: the most pages a sequence can hold (the pool's shard or the context),
+        # rounded to 8 columns. Kernels loop to each row's live length, so width costs only the table.
+        longest = min(c.num_pages // self._shards - 1,
+                      kv_cache.pages_for(mc.max_position_embeddings + c.spec_k, c.page_size))
+        self.width = -(-max(longest, 1) // 8) * 8
         enable_compilation_cache()
         # Multi-host: the other processes build this engine too, before any device array exists
         # (placing arrays on a mesh that spans processes is collective).
@@ -189,9 +201,8 @@ class Engine:
         self.sched = Scheduler(self.pool, max_batch=c.max_batch, max_batched_tokens=c.max_batched_tokens,
                                chunk_size=c.chunk_size, spec_k=c.spec_k, num_slots=c.max_batch)
         self.finished: dict[int, Request] = {}
-        # Page-table columns: one width while a sequence fits 64 pages, powers of two beyond.
-        self._min_width = min(step.bucket(c.num_pages - 1, tuple(1 << i for i in range(24))), 64)
         self._inflight: tuple | None = None
+        self._warm = False  # set by warmup(): a compile after it is a bug (logged, counted)
         self._sync_next = False
         self._compile_s = 0.0
         leaves, tree = jax.tree.flatten((self.cache, self.state))
@@ -202,6 +213,7 @@ class Engine:
                                       "tokens": deque(maxlen=recent), "padded_tokens": deque(maxlen=recent),
                                       "sum_rows": 0, "sum_tokens": 0, "sum_padded": 0, "peak_page_usage": 0.0,
                                       "preemptions": 0, "compiles": 0, "compile_s": 0.0,
+                                      "compiles_after_warmup": 0,
                                       "spec_proposed": 0, "spec_accepted": 0}
 
     # ------------------------------------------------------------------ queues (scheduler's)
@@ -254,7 +266,7 @@ class Engine:
         r.finish_reason, r.error = reason, error
         if reason == "error" and r.pages:
             # Its pages may hold NaN: zero them so the next owner's masked slots stay finite.
-            pages = np.zeros(step.bucket(len(r.pages), tuple(1 << i for i in range(24))), np.int32)
+            pages = np.zeros(self.width, np.int32)  # one shape: compiled by warmup()
             pages[:len(r.pages)] = r.pages
             self.clear_pages(pages)
         self.sched.remove(r)
@@ -282,9 +294,8 @@ class Engine:
             if self.waiting and not self.running:
                 raise OutOfPages("no request can be scheduled: the page pool is too small")
             return events
-        batch = step.build([row for _, row in plan], spec_k=self.cfg.spec_k,
-                           token_buckets=self.cfg.token_buckets, row_buckets=self.cfg.row_buckets,
-                           min_width=self._min_width, logprobs=any(r.logprobs is not None for r, _ in plan),
+        batch = step.build([row for _, row in plan], spec_k=self.cfg.spec_k, shapes=self.shapes,
+                           width=self.width, logprobs=any(r.logprobs is not None for r, _ in plan),
                            num_shards=self._shards, scratch_slot=self.cfg.max_batch)
         for r, row in plan:
             r.computed += row.n
@@ -340,47 +351,101 @@ class Engine:
         rep = jax.sharding.NamedSharding(self.handle.mesh, jax.sharding.PartitionSpec())
         return jax.make_array_from_callback(x.shape, rep, lambda idx: x[idx])
 
+    def _compile_key(self, key: step.StepKey) -> tuple:
+        # Every trace-time setting the program depends on: kernel backend, MoE dispatch and capacity.
+        opts = tuple(sorted((self.cfg.compiler_options or {}).items()))
+        return (key, self._sig, kernels.backend(), moe._forced_dispatch.get(), moe.CAPACITY_FACTOR, opts)
+
+    def _lower(self, key: step.StepKey):
+        ints = jax.ShapeDtypeStruct((step.packed_size(step.int_fields(key)),), jnp.int32)
+        floats = jax.ShapeDtypeStruct((step.packed_size(step.float_fields(key)),), jnp.float32)
+        if self.handle.mesh is not None:
+            rep = jax.sharding.NamedSharding(self.handle.mesh, jax.sharding.PartitionSpec())
+            ints = jax.ShapeDtypeStruct(ints.shape, ints.dtype, sharding=rep)
+            floats = jax.ShapeDtypeStruct(floats.shape, floats.dtype, sharding=rep)
+        fn = jax.jit(step.make_step(self.handle.model, key), donate_argnums=(1, 2))
+        with self.handle.mesh_context():
+            return fn.lower(self.handle.params, self.cache, self.state, ints, floats)
+
+    def _compile_lowered(self, lowered):
+        opts = dict(self.cfg.compiler_options or {})
+        with self.handle.mesh_context():
+            return lowered.compile(compiler_options=opts) if opts else lowered.compile()
+
+    def _record_compile(self, key: step.StepKey, seconds: float) -> None:
+        self._compile_s += seconds
+        self.stats["compiles"] += 1
+        self.stats["compile_s"] += seconds
+        if self._warm:
+            self.stats["compiles_after_warmup"] += 1
+            log.warning("compiled step %s after warmup (%.1f s): outside the warmed set", key, seconds)
+        else:
+            log.info("compiled step %s in %.1f s", key, seconds)
+
     def _compiled(self, key: step.StepKey):
         store = _compiled_for(self.handle)
-        opts = dict(self.cfg.compiler_options or {})
-        ck = (key, self._sig, kernels.backend(), moe._forced_dispatch.get(), tuple(sorted(opts.items())))
+        ck = self._compile_key(key)
         if ck not in store:
             t0 = time.perf_counter()
-            ints = jax.ShapeDtypeStruct((step.packed_size(step.int_fields(key)),), jnp.int32)
-            floats = jax.ShapeDtypeStruct((step.packed_size(step.float_fields(key)),), jnp.float32)
-            if self.handle.mesh is not None:
-                rep = jax.sharding.NamedSharding(self.handle.mesh, jax.sharding.PartitionSpec())
-                ints = jax.ShapeDtypeStruct(ints.shape, ints.dtype, sharding=rep)
-                floats = jax.ShapeDtypeStruct(floats.shape, floats.dtype, sharding=rep)
-            fn = jax.jit(step.make_step(self.handle.model, key), donate_argnums=(1, 2))
-            with self.handle.mesh_context():
-                lowered = fn.lower(self.handle.params, self.cache, self.state, ints, floats)
-                store[ck] = lowered.compile(compiler_options=opts) if opts else lowered.compile()
-            dt = time.perf_counter() - t0
-            self._compile_s += dt
-            self.stats["compiles"] += 1
-            self.stats["compile_s"] += dt
-            log.info("compiled step %s in %.1f s", key, dt)
+            store[ck] = self._compile_lowered(self._lower(key))
+            self._record_compile(key, time.perf_counter() - t0)
         return store[ck]
 
-    def warmup(self, token_counts: Sequence[int] | None = None, row_counts: Sequence[int] | None = None,
-               sampled: bool = False) -> float:
-        """Compile steps ahead of time; returns the seconds spent. Default: every decode batch bucket
-        (S rows of spec_k + 1 tokens) and every single-row prefill bucket. With counts given: every
-        (token bucket, row bucket) pair of them that can occur (rows <= tokens / (spec_k + 1)).
-        Other shapes compile on first use; all persist in the compilation cache."""
-        c, before = self.cfg, self._compile_s
-        j = c.spec_k + 1
-        if token_counts is None and row_counts is None:
-            pairs = {(step.bucket(s * j, c.token_buckets), s) for s in c.row_buckets}
-            pairs |= {(n, c.row_buckets[0]) for n in c.token_buckets}
-        else:
-            ns = sorted({step.bucket(n, c.token_buckets) for n in (token_counts or c.token_buckets)})
-            ss = sorted({step.bucket(s, c.row_buckets) for s in (row_counts or c.row_buckets)})
-            pairs = {(n, s) for n in ns for s in ss if s == ss[0] or s * j <= n}
-        for n, s in sorted(pairs):
-            self._compiled(step.StepKey(n, s, self._min_width, c.spec_k, sampled, False))
-        return self._compile_s - before
+    def step_keys(self, max_rows: int | None = None, max_tokens: int | None = None,
+                  modes: Sequence[str] = ("greedy", "full")) -> list[step.StepKey]:
+        """The step programs a load of at most `max_rows` sequences per step and `max_tokens` tokens per
+        batch shard can use (default: any load this engine admits), in `modes` ("greedy": argmax only;
+        "full": some row samples or asks for logprobs)."""
+        c = self.cfg
+        bad = set(modes) - {"greedy", "full"}
+        if bad:
+            raise ValueError(f"modes must be 'greedy' and/or 'full', got {sorted(bad)}")
+        pairs = self.shapes.reachable(min(max_tokens or c.max_batched_tokens, c.max_batched_tokens),
+                                      min(max_rows or c.max_batch, c.max_batch))
+        d = self._shards
+        return [step.StepKey(n * d, s * d, self.width, c.spec_k, m == "full")
+                for n, s in pairs for m in ("greedy", "full") if m in modes]
+
+    def warmup(self, max_rows: int | None = None, max_tokens: int | None = None,
+               modes: Sequence[str] = ("greedy", "full"),
+               progress: Callable[[int, int, step.StepKey, float], None] | None = None,
+               workers: int | None = None) -> float:
+        """Compile every step program `step_keys(max_rows, max_tokens, modes)` lists (default: all that
+        any load can use, so no load compiles afterwards) and the page-clearing program; returns the
+        seconds spent. Tracing runs here one program after another (it reads this thread's settings:
+        kernel backend, MoE dispatch); XLA compiles them on `workers` threads meanwhile (default: one
+        per program, up to the CPU count). `progress(done, total, key, seconds)` is called as each
+        program finishes, in completion order. Programs in the persistent compilation cache load from it."""
+        store = _compiled_for(self.handle)
+        keys = [k for k in self.step_keys(max_rows, max_tokens, modes) if self._compile_key(k) not in store]
+        t_start = time.perf_counter()
+        done = 0
+        workers = workers or max(1, min(len(keys), os.cpu_count() or 1))
+        with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+            futures = {}
+            for key in keys:
+                t0 = time.perf_counter()
+                lowered = self._lower(key)
+                futures[pool.submit(self._compile_timed, lowered, t0)] = key
+            for fut in concurrent.futures.as_completed(futures):
+                key = futures[fut]
+                compiled, seconds = fut.result()
+                store[self._compile_key(key)] = compiled
+                self.stats["compiles"] += 1
+                self.stats["compile_s"] += seconds
+                done += 1
+                log.info("compiled step %s in %.1f s", key, seconds)
+                if progress is not None:
+                    progress(done, len(keys), key, seconds)
+        self.cache = _clear_pages(self.cache, jnp.zeros((self.width,), jnp.int32))  # page 0 only: scratch
+        wall = time.perf_counter() - t_start
+        self._compile_s += wall
+        self._warm = True
+        return wall
+
+    def _compile_timed(self, lowered, t0: float):
+        compiled = self._compile_lowered(lowered)
+        return compiled, time.perf_counter() - t0
 
     # ------------------------------------------------------------------ commit
     def _commit(self, inflight: tuple) -> list[StepEvent]:

@@ -1,19 +1,25 @@
 """One engine step as data: the ragged token batch (host side) and the jitted device step that runs it.
 
-Owns: the batch layout, its buckets, packing it into two flat host buffers, and the device function.
+Owns: the batch layout, the set of step shapes (`StepShapes`), packing it into two flat host buffers,
+and the device function.
 
-Layout (vLLM/SGLang style, token-flattened): a step computes N tokens, N a bucket (a power of two >=
-the scheduled count). Each token has an id, a position, a row (the sequence it belongs to) and through
-its row a page-table row; rows are S sequences (S a bucket too), each holding a contiguous run of the
-flat tokens: a decode row 1 (+ k drafts) tokens, a prefill chunk up to chunk_size. Nothing is padded
-per row, so a 512-token chunk next to 63 decode rows costs 575 tokens, not 64 x 512. Tokens past the
-scheduled count are padding: they write only page 0 (scratch), attend to nothing and are routed to no
-expert. Attention runs with one token per kernel row (B = N, T = 1); for 128 heads that is what the
-MLA kernel's 64-row tiles did for a chunk anyway.
+Layout (vLLM/SGLang style, token-flattened): a step computes N tokens for S sequences (rows), each row
+holding a contiguous run of the flat tokens: a decode row 1 (+ k drafts) tokens, a prefill chunk up to
+chunk_size. Nothing is padded per row, so a 512-token chunk next to 63 decode rows costs 575 tokens, not
+64 x 512. Tokens past the scheduled count are padding: they write only page 0 (scratch), attend to
+nothing and are routed to no expert. Attention runs with one token per kernel row (B = N, T = 1); for
+128 heads that is what the MLA kernel's 64-row tiles did for a chunk anyway.
+
+Step shapes are a fixed, small set (`StepShapes`), because one shape of the full-width model costs ~26 s
+of GPU compile: decode capacities (S rows of spec_k + 1 tokens) for a few row counts, and mixed/prefill
+capacities (N tokens, max_batch rows) up to the token budget; each in two modes (greedy: argmax only;
+full: sampling filters and logprobs, which sort the vocabulary). The page-table width W is one per
+engine (the longest sequence it admits). Live counts travel as data (`valid`, `row_len`, lengths), so
+every load the scheduler can produce runs on one of these programs and `Engine.warmup()` compiles them all.
 
 Batch shards (data-parallel attention, later): tokens and rows are grouped by batch shard in equal
 segments, shard s owning flat tokens [s*N/D, (s+1)*N/D) and rows [s*S/D, (s+1)*S/D), each padded to
-the same bucket; one shard today (`num_shards` exists so the layout is tested now).
+the same capacity; one shard today (`num_shards` exists so the layout is tested now).
 
 A token's input id is either known on the host (`tokens`) or is the token the previous, still-running
 step sampled for that sequence: then `src` names the request's slot in the device-resident
@@ -41,20 +47,59 @@ from dsv3_jax.cache import PageMeta
 from dsv3_jax.sampling import MAX_LOGPROBS, SamplingParams, speculative_sample, token_logprobs
 
 
-def bucket(n: int, buckets: tuple[int, ...]) -> int:
-    """The smallest bucket >= n (buckets ascending); above the largest, the next power of two."""
-    for b in buckets:
-        if b >= n:
-            return b
+def pow2_at_least(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1)."""
     return 1 << max(n - 1, 0).bit_length()
 
 
-def pow2_buckets(lo: int, hi: int, factor: int = 2) -> tuple[int, ...]:
-    out, b = [], lo
-    while b < hi:
-        out.append(b)
-        b *= factor
-    return (*out, hi) if not out or out[-1] != hi else tuple(out)
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+DEFAULT_DECODE_ROWS = (4, 32)  # decode capacities below max_batch: b=1 chat, small batches
+
+
+@dataclasses.dataclass(frozen=True)
+class StepShapes:
+    """The (tokens N, rows S) capacities of one batch-shard segment that an engine compiles, ascending.
+
+    Decode capacities are (r * (spec_k + 1), r) for r in the decode row counts and max_batch; mixed and
+    prefill capacities are (n, max_batch) for n in the token capacities above the largest decode one, the
+    token budget last. The largest shape holds max_batch rows and the whole budget, so every step the
+    scheduler can build fits one of them. N is a multiple of `multiple` (the batch-shard count of a mesh).
+    """
+
+    pairs: tuple[tuple[int, int], ...]
+
+    @classmethod
+    def make(cls, *, max_rows: int, max_tokens: int, spec_k: int, decode_rows: tuple[int, ...] = (),
+             token_caps: tuple[int, ...] = (), multiple: int = 1) -> StepShapes:
+        j = spec_k + 1
+        rows = sorted({min(max(int(r), 1), max_rows) for r in (decode_rows or DEFAULT_DECODE_ROWS)}
+                      | {max_rows})
+        decode = [(_round_up(r * j, multiple), r) for r in rows]
+        top = decode[-1][0]
+        toks = sorted({_round_up(int(t), multiple) for t in token_caps} | {_round_up(max_tokens, multiple)})
+        return cls(tuple(decode + [(t, max_rows) for t in toks if t > top]))
+
+    def pick(self, tokens: int, rows: int) -> tuple[int, int]:
+        """The smallest capacity holding `tokens` and `rows` (ValueError if none: a scheduler bug)."""
+        for n, s in self.pairs:
+            if n >= tokens and s >= rows:
+                return n, s
+        raise ValueError(f"no step shape holds {tokens} tokens in {rows} rows (shapes {self.pairs})")
+
+    def reachable(self, max_tokens: int, max_rows: int) -> list[tuple[int, int]]:
+        """The capacities some step of at most `max_tokens` tokens and `max_rows` rows picks: for each
+        shape, the smallest holding its own corner clipped to the bounds (any (t, r) picks the shape
+        that is the smallest holding its corner, so this set is complete)."""
+        out = []
+        for n, s in self.pairs:
+            t = max(1, min(n, max_tokens))
+            p = self.pick(t, max(1, min(s, max_rows, t)))
+            if p not in out:
+                out.append(p)
+        return out
 
 
 class StepKey(NamedTuple):
@@ -64,8 +109,15 @@ class StepKey(NamedTuple):
     rows: int  # S, sequences
     width: int  # W, page-table columns
     spec_k: int  # drafts per decode row
-    sampled: bool  # some row samples (else argmax only: no sorting of the vocabulary)
-    logprobs: bool  # some row asked for logprobs
+    full: bool  # sampling filters and logprobs (some row samples or asks for logprobs); else argmax only
+
+    @property
+    def sampled(self) -> bool:
+        return self.full
+
+    @property
+    def logprobs(self) -> bool:
+        return self.full
 
 
 def int_fields(key: StepKey) -> list[tuple[str, tuple[int, ...]]]:
@@ -155,18 +207,18 @@ class RowPlan:
     shard: int = 0
 
 
-def build(rows: list[RowPlan], *, spec_k: int, token_buckets: tuple[int, ...],
-          row_buckets: tuple[int, ...], min_width: int, logprobs: bool, num_shards: int = 1,
-          scratch_slot: int = 0) -> StepBatch:
-    """Lay out scheduled rows as a flat, bucketed, shard-grouped token batch (see the module docstring)."""
+def build(rows: list[RowPlan], *, spec_k: int, shapes: StepShapes, width: int, logprobs: bool,
+          num_shards: int = 1, scratch_slot: int = 0) -> StepBatch:
+    """Lay out scheduled rows as a flat, shard-grouped token batch in the smallest of `shapes` that holds
+    them, with a page table `width` columns wide (see the module docstring)."""
     per_tok = [sum(r.n for r in rows if r.shard == s) for s in range(num_shards)]
     per_row = [sum(1 for r in rows if r.shard == s) for s in range(num_shards)]
-    n_seg = bucket(max(max(per_tok), 1), token_buckets)
-    s_seg = bucket(max(max(per_row), 1), row_buckets)
-    width = bucket(max(max((len(r.pages) for r in rows), default=1), min_width),
-                   tuple(min_width << i for i in range(24)))
+    n_seg, s_seg = shapes.pick(max(max(per_tok), 1), max(max(per_row), 1))
+    longest = max((len(r.pages) for r in rows), default=0)
+    if longest > width:
+        raise ValueError(f"a row holds {longest} pages but the page table is {width} wide")
     key = StepKey(n_seg * num_shards, s_seg * num_shards, width, spec_k,
-                  any(r.temperature > 0 for r in rows), logprobs)
+                  logprobs or any(r.temperature > 0 for r in rows))
     n, s, j = key.tokens, key.rows, spec_k + 1
     ints = np.zeros(packed_size(int_fields(key)), np.int32)
     floats = np.zeros(packed_size(float_fields(key)), np.float32)

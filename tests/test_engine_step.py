@@ -1,5 +1,5 @@
-"""The ragged engine step: each step computes its scheduled tokens rounded up to a bucket (never batch x
-chunk), padding reaches no expert and writes no real page, the batch layout groups tokens by shard,
+"""The ragged engine step: each step computes its scheduled tokens in the smallest of the engine's fixed
+step shapes that holds them (never batch x chunk), warmup compiles every shape a load can use, padding reaches no expert and writes no real page, the batch layout groups tokens by shard,
 pipelined dispatch equals one-step-at-a-time, logprobs equal the forward's log_softmax, a request
 whose logits go non-finite stops with an error without harming its neighbours, metrics are JSON."""
 
@@ -24,7 +24,7 @@ from dsv3_jax.model import Transformer
 
 CFG = ModelConfig.preset("tiny").replace(vocab_size=256, max_position_embeddings=512,
                                          num_nextn_predict_layers=0)
-FAST = dict(token_buckets=(8, 32, 128), row_buckets=(4, 16))  # few compiles on CPU
+FAST = dict(token_buckets=(32, 128), row_buckets=(4,))  # decode (4, 4), (16, 16); mixed (32, 16), (128, 16)
 
 
 def _params(cfg: ModelConfig, seed: int = 0) -> dict:
@@ -42,9 +42,9 @@ def _prompts(n, lo=3, hi=40, seed=0):
     return [rng.integers(2, 256, rng.integers(lo, hi)).tolist() for _ in range(n)]
 
 
-def test_each_step_computes_its_tokens_rounded_to_a_bucket(params, monkeypatch):
-    """Instrument the batch builder and the traced attention: a step's token count is the scheduled
-    count rounded up to its bucket, and a prefill chunk never pads the decode rows beside it."""
+def test_each_step_computes_its_tokens_in_the_smallest_shape(params, monkeypatch):
+    """Instrument the batch builder and the traced attention: a step runs in the smallest of the
+    engine's shapes holding its tokens and rows, and a prefill chunk never pads the decode rows beside it."""
     handle = ModelHandle(CFG, params)  # a fresh handle: nothing compiled yet, so every program traces
     built, traced = [], []
     real_build = step.build
@@ -73,15 +73,17 @@ def test_each_step_computes_its_tokens_rounded_to_a_bucket(params, monkeypatch):
     for _ in eng.run():
         pass
     mixed = 0
+    assert eng.shapes.pairs == ((4, 4), (16, 16), (32, 16), (128, 16))
     for ns, key in built:
-        assert key.tokens == step.bucket(sum(ns), FAST["token_buckets"]), (ns, key)
-        assert key.rows == step.bucket(len(ns), FAST["row_buckets"])
+        fits = [(n, s) for n, s in eng.shapes.pairs if n >= sum(ns) and s >= len(ns)]
+        assert (key.tokens, key.rows) == min(fits), (ns, key)
+        assert key.width == eng.width == 64  # the pool's 63 usable pages (< 128 for the context), 8-rounded
         if max(ns) > 1 and ns.count(1) >= 2:
             mixed += 1
             assert key.tokens < len(ns) * chunk  # the old engine computed rows x chunk here
     assert mixed >= 1, "the load was meant to mix a prefill chunk with decode rows"
-    # The model itself saw [N, 1] token batches (one token per attention row), N a bucket.
-    assert traced and all(t == 1 and b in FAST["token_buckets"] for b, t, _ in traced)
+    # The model itself saw [N, 1] token batches (one token per attention row), N a shape's capacity.
+    assert traced and all(t == 1 and b in {n for n, _ in eng.shapes.pairs} for b, t, _ in traced)
     assert {k.tokens for _, k in built} == {b for b, _, _ in traced}
 
 
@@ -120,9 +122,11 @@ def test_batch_layout_groups_tokens_by_shard():
         return step.RowPlan(rid, rid, 0, list(range(1, n + 1)), n, False, True, 0, 0, [rid + 1], 0.0, 1.0, 0,
                             0, 0, shard)
 
-    b = step.build([row(0, 5, 0), row(1, 1, 1), row(2, 2, 1), row(3, 1, 0)], spec_k=0,
-                   token_buckets=(2, 4, 8), row_buckets=(1, 2, 4), min_width=2, logprobs=False, num_shards=2)
-    assert b.key.tokens == 16 and b.key.rows == 4  # two shards x bucket(6 tokens) / bucket(2 rows)
+    shapes = step.StepShapes.make(max_rows=2, max_tokens=8, spec_k=0, decode_rows=(1,))
+    assert shapes.pairs == ((1, 1), (2, 2), (8, 2))
+    b = step.build([row(0, 5, 0), row(1, 1, 1), row(2, 2, 1), row(3, 1, 0)], spec_k=0, shapes=shapes,
+                   width=2, logprobs=False, num_shards=2)
+    assert b.key.tokens == 16 and b.key.rows == 4  # two shards x the (8, 2) shape holding 6 tokens, 2 rows
     row_of, valid = b.view("row_of"), b.view("valid")
     assert valid[:8].sum() == 6 and valid[8:].sum() == 3  # shard 0: rows 0, 3; shard 1: rows 1, 2
     assert b.row_index == [0, 2, 3, 1]
@@ -207,17 +211,48 @@ def test_cache_layout_has_one_owner():
     assert set(shapes["moe_layers"]) == set(kv_cache.LEAVES["naive"])
 
 
-def test_warmup_compiles_every_step_ahead(params):
+def test_step_shapes_cover_every_load_and_warmup_compiles_them_all(params):
+    shapes = step.StepShapes.make(max_rows=256, max_tokens=2048, spec_k=0)
+    assert shapes.pairs == ((4, 4), (32, 32), (256, 256), (2048, 256))  # the default: 8 programs
+    assert step.StepShapes.make(max_rows=64, max_tokens=256, spec_k=1).pairs == ((8, 4), (64, 32), (128, 64),
+                                                                                   (256, 64))
+    rng = np.random.default_rng(0)
+    for _ in range(2000):  # any step the scheduler can build fits, in a shape reachable() lists
+        t = int(rng.integers(1, 2049))
+        r = int(rng.integers(1, min(t, 256) + 1))
+        assert shapes.pick(t, r) in shapes.reachable(2048, 256)
+        assert shapes.pick(t, r) in shapes.reachable(t, r)
+    assert shapes.reachable(1, 1) == [(4, 4)]
+    with pytest.raises(ValueError, match="no step shape holds 2049 tokens"):
+        shapes.pick(2049, 1)
+
     handle = ModelHandle(CFG, params)
-    eng = Engine(handle, EngineConfig(num_pages=40, page_size=4, max_batch=4, max_batched_tokens=8,
-                                      chunk_size=8, token_buckets=(8,), row_buckets=(4,)))
-    assert eng.warmup() > 0 and eng.stats["compiles"] == 1
-    eng.generate(_prompts(3, 3, 8, seed=7), max_new_tokens=3)
-    assert eng.stats["compiles"] == 1 and eng.stats["steps"] > 1
+    eng = Engine(handle, EngineConfig(num_pages=40, page_size=4, max_batch=4, max_batched_tokens=16,
+                                      chunk_size=8, row_buckets=(2,)))
+    assert len(eng.step_keys()) == 6  # (2, 2), (4, 4), (16, 4) x greedy, full
+    seen = []
+    assert eng.warmup(progress=lambda done, total, key, s: seen.append((done, total, key))) > 0
+    assert eng.stats["compiles"] == 6 and [d for d, _, _ in seen] == list(range(1, 7))
+    assert {k for _, _, k in seen} == set(eng.step_keys())
+    # A mixed load: greedy and sampled rows, logprobs, prompts of 1-30 tokens, arriving over time.
+    prompts = _prompts(7, 1, 30, seed=7)
+    for i, p in enumerate(prompts):
+        eng.add_request(p, max_new_tokens=4, temperature=0.7 if i % 3 == 1 else 0.0,
+                        logprobs=2 if i % 3 == 2 else None)
+        eng.step()
+    for _ in eng.run():
+        pass
+    assert eng.stats["compiles"] == 6 and eng.stats["compiles_after_warmup"] == 0
+    assert eng.stats["steps"] > 5 and len(eng.finished) == 7
+    # A second engine of the same sizing on the same handle reuses every program.
+    eng2 = Engine(handle, EngineConfig(num_pages=40, page_size=4, max_batch=4, max_batched_tokens=16,
+                                       chunk_size=8, row_buckets=(2,)))
+    eng2.warmup()
+    assert eng2.stats["compiles"] == 0
 
 
-@pytest.mark.parametrize("key", [step.StepKey(1, 1, 4, 0, False, False),
-                                 step.StepKey(37, 5, 3, 2, True, True)])
+@pytest.mark.parametrize("key", [step.StepKey(1, 1, 4, 0, False),
+                                 step.StepKey(37, 5, 3, 2, True)])
 def test_packed_input_fields_start_on_256_byte_boundaries(key):
     """Mosaic GPU kernels refuse operands that are not 256-byte aligned, and XLA may pass a field of the
     packed step input (e.g. the page table) to a kernel in place: every field must start aligned."""
@@ -227,6 +262,7 @@ def test_packed_input_fields_start_on_256_byte_boundaries(key):
         assert total == step.packed_size(fields) >= sum(int(np.prod(s)) for _, s in fields)
     rows = [step.RowPlan(rid=0, slot=1, start=0, tokens=[5, 6, 7], n=3, pending_last=False, final=True,
                          ndraft=0, hint=0, pages=[2], temperature=0.0, top_p=1.0, top_k=0, seed=0, counter=0)]
-    batch = step.build(rows, spec_k=0, token_buckets=(1, 4), row_buckets=(1,), min_width=1, logprobs=False)
+    shapes = step.StepShapes.make(max_rows=1, max_tokens=4, spec_k=0)
+    batch = step.build(rows, spec_k=0, shapes=shapes, width=1, logprobs=False)
     assert batch.ints.size == step.packed_size(step.int_fields(batch.key))
     assert batch.view("tokens")[:3].tolist() == [5, 6, 7] and batch.view("table")[0, 0] == 2
