@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The GPU gate, one device call: on a bare H200 with the repo tree copied there (not pip-installed),
+#   bash benchmarks/gpu_check.sh                    # or: bash benchmarks/gpu_check.sh --write-baseline
+# runs, in order and each even when an earlier one failed:
+#   (a) every GPU test:       python3 -m pytest -m gpu tests/
+#   (b) the kernel fuzz, compiled on the GPU: tests/test_kernel_fuzz.py (+ tests/test_kernel_lowering.py if present)
+#   (c) the speed smoke:      benchmarks/gpu_smoke.py against benchmarks/baseline_h200.json (arguments pass through)
+# each under its own time limit, logs in $OUT/ (else a temporary directory), then a summary of the three;
+# exits non-zero when any part failed. Nothing here needs the network. Limits (seconds):
+# GPU_CHECK_LIMITS="tests fuzz total" (default "120 120 480"): the smoke gets what is left of the total.
+set -u
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+PY="${PYTHON:-python3}"
+LOGS="${OUT:-$(mktemp -d -t gpu_check.XXXXXX)}"
+mkdir -p "$LOGS"
+read -r LIM_TESTS LIM_FUZZ LIM_TOTAL <<< "${GPU_CHECK_LIMITS:-120 120 480}"
+START=$(date +%s)
+
+names=() rcs=() secs=()
+part() {  # part NAME LIMIT CMD... : run under `timeout`, output to the terminal and $LOGS/gpu_check_NAME.log
+  local name=$1 limit=$2 t0 rc
+  shift 2
+  echo "=== gpu_check: $name (limit ${limit} s): $*"
+  t0=$(date +%s)
+  timeout --kill-after=15 "$limit" "$@" 2>&1 | tee "$LOGS/gpu_check_$name.log"
+  rc=${PIPESTATUS[0]}
+  [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ] && echo "=== gpu_check: $name ran past its ${limit} s limit"
+  names+=("$name") rcs+=("$rc") secs+=($(( $(date +%s) - t0 )))
+}
+
+# (a) Collection errors (a module importing a package absent here) must not stop the other tests.
+part gpu_tests "$LIM_TESTS" "$PY" -m pytest -m gpu tests/ -q -rfEs --continue-on-collection-errors
+fuzz=(tests/test_kernel_fuzz.py)
+[ -f tests/test_kernel_lowering.py ] && fuzz+=(tests/test_kernel_lowering.py)
+part kernel_fuzz "$LIM_FUZZ" "$PY" -m pytest "${fuzz[@]}" -q -rfEs
+LIM_SMOKE=$(( LIM_TOTAL - ($(date +%s) - START) ))
+[ "$LIM_SMOKE" -lt 60 ] && LIM_SMOKE=60
+part smoke "$LIM_SMOKE" "$PY" benchmarks/gpu_smoke.py --prior "gpu_tests=${rcs[0]}" --prior "kernel_fuzz=${rcs[1]}" "$@"
+
+echo
+echo "=== gpu_check summary (logs in $LOGS)"
+fail=0
+for i in "${!names[@]}"; do
+  verdict=PASS
+  [ "${rcs[$i]}" -ne 0 ] && verdict=FAIL && fail=1
+  [ "${names[$i]}" = smoke ] && [ "${rcs[$i]}" -eq 2 ] && verdict="FAIL (no baseline)"
+  printf '%-12s %-20s exit %-4s %5s s\n' "${names[$i]}" "$verdict" "${rcs[$i]}" "${secs[$i]}"
+done
+exit $fail
