@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -102,7 +102,8 @@ class ModelHandle:
                  seed: int | Sequence[int] = 0,
                  stop: str | Sequence[str] | Sequence[Sequence[str] | None] | None = None,
                  logprobs: int | Sequence[int | None] | None = None, stream: bool = False,
-                 ignore_eos: bool = False, spec_k: int = 0):
+                 ignore_eos: bool = False, spec_k: int = 0,
+                 warmup_progress: Callable[..., None] | None = None):
         """Generate for one prompt or a batch (strings or token-id lists) through the serving engine.
 
         Returns a list of `GenerationResult` (one per prompt; a single result for a single prompt).
@@ -110,6 +111,7 @@ class ModelHandle:
         (prompt index, piece) pairs for a batch. Sampling defaults come from generation_config.json;
         temperature 0 is greedy. `spec_k` > 0 drafts that many tokens per step with the MTP head
         (speculative decoding; greedy output is unchanged, sampled output keeps its distribution).
+        `warmup_progress(done, total, step_key, seconds)`: compile every step program first, reporting each.
 
         Per prompt, as the server does per request: `max_new_tokens`, `temperature`, `top_p`, `top_k`,
         `seed` and `logprobs` each take one value for all prompts or a list with one per prompt; `stop`
@@ -124,7 +126,8 @@ class ModelHandle:
                                       temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
                                       logprobs=logprobs)
         eos = [] if ignore_eos else self.eos_ids()
-        it = decode.stream(self, ids, params, eos_ids=eos, tokenizer=self.tokenizer, spec_k=spec_k)
+        it = decode.stream(self, ids, params, eos_ids=eos, tokenizer=self.tokenizer, spec_k=spec_k,
+                           warmup_progress=warmup_progress)
         if stream:
             return (piece if single else (i, piece) for i, piece, res in it if res is None and piece)
         results: list[GenerationResult | None] = [None] * len(ids)

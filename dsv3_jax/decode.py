@@ -11,7 +11,7 @@ round. Must not parse CLI flags or files.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -108,10 +108,14 @@ class GenerationResult:
 
 
 def stream(handle: Any, prompts: Sequence[Sequence[int]], params: Sequence[PromptParams], *,
-           eos_ids: Sequence[int] = (), tokenizer: Tokenizer | None = None, spec_k: int = 0
+           eos_ids: Sequence[int] = (), tokenizer: Tokenizer | None = None, spec_k: int = 0,
+           warmup_progress: Callable[..., None] | None = None
            ) -> Iterator[tuple[int, str, GenerationResult | None]]:
     """Run `prompts` (with `params[i]` each) through a serving engine sized for them; yield
-    (prompt index, new text piece, result-or-None), the result when a prompt ends."""
+    (prompt index, new text piece, result-or-None), the result when a prompt ends.
+
+    With `warmup_progress` (see `Engine.warmup`'s `progress`), every step program these prompts can
+    use is compiled before the first step (the CLI shows it); otherwise programs compile on first use."""
     cfg = handle.config
     prompts = [list(map(int, p)) for p in prompts]
     if len(params) != len(prompts):
@@ -129,6 +133,11 @@ def stream(handle: Any, prompts: Sequence[Sequence[int]], params: Sequence[Promp
               **getattr(handle, "engine_defaults", {})}  # flags and the plan-sized pool (parallel_cli)
     ecfg = EngineConfig(page_size=ps, spec_k=spec_k, **sizing)
     eng = Engine(handle, ecfg)
+    if warmup_progress is not None:
+        # A step holds at most one chunk (or decode row) of each prompt: the programs beyond never run.
+        most = sum(max(min(len(p), ecfg.chunk_size), spec_k + 1) for p in prompts)
+        modes = {"full" if q.temperature > 0 or q.logprobs is not None else "greedy" for q in params}
+        eng.warmup(max_rows=len(prompts), max_tokens=most, modes=sorted(modes), progress=warmup_progress)
     rids = {eng.add_request(p, eos=eos_ids, **q.engine_kwargs()): i
             for i, (p, q) in enumerate(zip(prompts, params))}
     detok = {r: IncrementalDetokenizer(tokenizer) if tokenizer else None for r in rids}

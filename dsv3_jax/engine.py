@@ -203,6 +203,7 @@ class Engine:
         self.finished: dict[int, Request] = {}
         self._inflight: tuple | None = None
         self._warm = False  # set by warmup(): a compile after it is a bug (logged, counted)
+        self._clear_program = None  # clear_pages compiled by warmup()
         self._sync_next = False
         self._compile_s = 0.0
         leaves, tree = jax.tree.flatten((self.cache, self.state))
@@ -343,13 +344,20 @@ class Engine:
     def clear_pages(self, pages: np.ndarray) -> None:
         """Zero physical pages (int32 [n]; 0 entries touch only scratch) in every cache leaf."""
         lockstep.clear(pages)
-        self.cache = _clear_pages(self.cache, jnp.asarray(pages))
+        if self._clear_program is not None and pages.shape == (self.width,):
+            self.cache = self._clear_program(self.cache, self._put(pages))
+        else:
+            self.cache = _clear_pages(self.cache, jnp.asarray(pages))
+
+    def _replicated(self) -> jax.sharding.Sharding:
+        if self.handle.mesh is None:
+            return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        return jax.sharding.NamedSharding(self.handle.mesh, jax.sharding.PartitionSpec())
 
     def _put(self, x: np.ndarray) -> jax.Array:
         if self.handle.mesh is None:
             return jnp.asarray(x)
-        rep = jax.sharding.NamedSharding(self.handle.mesh, jax.sharding.PartitionSpec())
-        return jax.make_array_from_callback(x.shape, rep, lambda idx: x[idx])
+        return jax.make_array_from_callback(x.shape, self._replicated(), lambda idx: x[idx])
 
     def _compile_key(self, key: step.StepKey) -> tuple:
         # Every trace-time setting the program depends on: kernel backend, MoE dispatch and capacity.
@@ -437,7 +445,10 @@ class Engine:
                 log.info("compiled step %s in %.1f s", key, seconds)
                 if progress is not None:
                     progress(done, len(keys), key, seconds)
-        self.cache = _clear_pages(self.cache, jnp.zeros((self.width,), jnp.int32))  # page 0 only: scratch
+        if self._clear_program is None:  # compiled, not run: a multi-host run must not execute it alone
+            pages = jax.ShapeDtypeStruct((self.width,), jnp.int32, sharding=self._replicated())
+            with self.handle.mesh_context():
+                self._clear_program = _clear_pages.lower(self.cache, pages).compile()
         wall = time.perf_counter() - t_start
         self._compile_s += wall
         self._warm = True
@@ -484,8 +495,9 @@ class Engine:
                 emitted.append(tok)
                 r.token_times.append(now)
                 if r.logprobs is not None:
-                    top = list(zip(out["top_ids"][i, jj, :r.logprobs].tolist(),
-                                   out["top_logprobs"][i, jj, :r.logprobs].tolist(), strict=True))
+                    n_top = min(r.logprobs, self.handle.config.vocab_size)
+                    top = list(zip(out["top_ids"][i, jj, :n_top].tolist(),
+                                   out["top_logprobs"][i, jj, :n_top].tolist(), strict=True))
                     lps.append(TokenLogprob(tok, float(out["logprob"][i, jj]), top))
                 if len(r.output) >= r.max_new_tokens:
                     r.finish_reason = "length"

@@ -44,6 +44,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--mtp", type=int, default=0, metavar="K",
                    help="speculative decoding with K MTP draft tokens per step (0 = off, up to 3)")
     p.add_argument("--stats", action="store_true", help="print per-request and engine metrics")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="compile step programs on first use instead of all before the first token")
     p.add_argument("--json", action="store_true", help="print machine-readable results (JSON lines)")
     from dsv3_jax import parallel_cli
 
@@ -154,8 +156,12 @@ def _to_ids(handle, item: Any, args: argparse.Namespace) -> list[int]:
 
 
 def _gen_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    from dsv3_jax.parallel_cli import warmup_printer
+
+    progress = None if args.no_warmup else warmup_printer("dsv3_jax.generate")
     return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                top_k=args.top_k, seed=args.seed, stop=args.stop or None, spec_k=args.mtp)
+                top_k=args.top_k, seed=args.seed, stop=args.stop or None, spec_k=args.mtp,
+                warmup_progress=progress)
 
 
 def _print_stats(results) -> None:

@@ -99,6 +99,7 @@ def follow(handle: Any) -> int:
             for name in ("token_buckets", "row_buckets"):
                 fields[name] = tuple(fields.get(name) or ())
             engine = Engine(handle, EngineConfig(**fields))
+            engine.warmup()  # the leader's programs, compiled before its first step arrives
         elif op == "step":
             engine.execute(StepKey(*(int(x) if i < 4 else bool(x) for i, x in enumerate(msg["key"]))),
                            msg["ints"], msg["floats"])

@@ -252,9 +252,13 @@ MAX_LOGPROBS = 20  # top alternatives a request may ask for (OpenAI's limit)
 def token_logprobs(logits: jax.Array, chosen: jax.Array, top: int = MAX_LOGPROBS
                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """log_softmax of the raw logits [..., V] (before temperature and filtering, like vLLM's default):
-    (logprob of `chosen` [...], top ids [..., top] int32, their logprobs [..., top])."""
+    (logprob of `chosen` [...], top ids [..., top] int32, their logprobs [..., top]). A vocabulary
+    smaller than `top` fills the places past V with id 0 at logprob -inf."""
     lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    top_lp, top_ids = jax.lax.top_k(lp, top)
+    top_lp, top_ids = jax.lax.top_k(lp, min(top, lp.shape[-1]))
+    if top > lp.shape[-1]:
+        pad = [(0, 0)] * (lp.ndim - 1) + [(0, top - lp.shape[-1])]
+        top_lp, top_ids = jnp.pad(top_lp, pad, constant_values=-jnp.inf), jnp.pad(top_ids, pad)
     return jnp.take_along_axis(lp, chosen[..., None], -1)[..., 0], top_ids.astype(jnp.int32), top_lp
 
 

@@ -34,10 +34,10 @@ def _workload(seed: int = 0):
 def _run(handle, check=None) -> list[list[int]]:
     """A small pool (preemption possible), 4-token pages and chunks, requests arriving over time."""
     prompts, arrivals = _workload()
-    # One token and one row bucket: one compiled step per mesh (CPU compiles dominate this test).
-    eng = Engine(handle, EngineConfig(num_pages=48, page_size=PS, max_batch=8, max_batched_tokens=16,
-                                      chunk_size=4, prefix_caching=True, token_buckets=(16,),
-                                      row_buckets=(8,)))
+    # One step shape, (8 tokens, 8 rows): one compiled program per mesh (CPU compiles dominate this test).
+    eng = Engine(handle, EngineConfig(num_pages=48, page_size=PS, max_batch=8, max_batched_tokens=8,
+                                      chunk_size=4, prefix_caching=True, row_buckets=(8,)))
+    assert eng.shapes.pairs == ((8, 8),)
     rids, got, step = {}, {}, 0
     while len(got) < len(prompts):
         for i in arrivals.get(step, []):

@@ -39,13 +39,15 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--chunk-size", type=int, default=d.chunk_size, help="longest prefill chunk per step")
     g.add_argument("--no-prefix-caching", action="store_true", help="do not reuse cached prompt pages")
     g.add_argument("--spec-k", type=int, default=0, help="MTP draft tokens per step (0 = off, up to 3)")
-    names = {f.name for f in dataclasses.fields(EngineConfig)}
-    if "token_buckets" in names:  # fixed step shapes: fewer compiles, more padding
-        g.add_argument("--token-buckets", type=_ints, help="flat-token step sizes, e.g. 16,64,256")
-        g.add_argument("--row-buckets", type=_ints, help="sequences-per-step sizes, e.g. 4,16")
+    g.add_argument("--token-buckets", type=_ints,
+                   help="extra mixed/prefill step capacities below --max-batched-tokens, e.g. 512 (each adds "
+                        "two compiled programs)")
+    g.add_argument("--row-buckets", type=_ints,
+                   help="decode step capacities below --max-batch (default 4,32; each adds two programs)")
     p.add_argument("--max-pending", type=int, default=None,
                    help="requests in flight before new ones get 429 (default: 4 x --max-batch)")
-    p.add_argument("--no-warmup", action="store_true", help="skip compiling the engine step before serving")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="compile step programs on first use instead of all before the port opens")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     from dsv3_jax import parallel_cli
 
@@ -105,7 +107,8 @@ def build(args: argparse.Namespace, handle: Any = None):
     if not args.no_warmup:
         t0 = time.perf_counter()
         warm(runner)
-        print(f"[dsv3_jax.serve] engine warmed in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+        print(f"[dsv3_jax.serve] engine warmed in {time.perf_counter() - t0:.1f} s: every step program "
+              "compiled, none compiles while serving", file=sys.stderr)
     name = args.served_model_name or (args.ckpt.name if args.ckpt else "dsv3-default")
     svc = Service(handle, runner, metrics, name)
     runner.start()
@@ -113,16 +116,11 @@ def build(args: argparse.Namespace, handle: Any = None):
 
 
 def warm(runner: Any) -> None:
-    """Compile the engine's steps before the port opens: `Engine.warmup()` (every decode batch bucket and
-    single-row prefill bucket) where the engine has it, else one short request (its prefill and decode
-    step). The request is shorter than a page, so the prefix cache and the pool stay empty."""
-    eng = runner.engine
-    if hasattr(eng, "warmup"):
-        eng.warmup()
-        return
-    prompt = [runner.handle.config.bos_token_id or 0] * 3
-    eng.generate([prompt], max_new_tokens=2, temperature=0.0)
-    eng.finished.clear()
+    """Compile every step program the engine can use (`Engine.warmup()`, both modes: requests may be
+    greedy or sampled) before the port opens, with a progress line per program."""
+    from dsv3_jax.parallel_cli import warmup_printer
+
+    runner.engine.warmup(progress=warmup_printer("dsv3_jax.serve"))
 
 
 def main(argv: list[str] | None = None) -> int:
