@@ -22,7 +22,7 @@ import pytest
 
 from dsv3_jax import api
 from dsv3_jax.chat import encode_chat
-from dsv3_jax.engine import EngineConfig
+from dsv3_jax.engine import Engine, EngineConfig
 
 # The serving extras: the server runs on fastapi + uvicorn, this side talks to it with openai and httpx and
 # parses /metrics with prometheus_client. An image without them (the GPU machine's) skips this module.
@@ -41,6 +41,21 @@ MAX_BATCH = 64  # all 64 concurrent clients in one batch
 THINK_START, THINK_END = 128798, 128799  # ids of "<think>" and "</think>" in the V3.1 tokenizer
 
 
+# The server's flags; `server_engine_config` parses the same ones into the server's EngineConfig.
+SERVER_FLAGS = ["--max-batch", str(MAX_BATCH), "--num-pages", "160", "--chunk-size", "256",
+                "--max-batched-tokens", "256", "--max-pending", "100", "--no-warmup",
+                "--log-level", "warning"]
+if "token_buckets" in {f.name for f in dataclasses.fields(EngineConfig)}:  # few shapes: few compiles
+    SERVER_FLAGS += ["--token-buckets", "8,64,256", "--row-buckets", f"4,{MAX_BATCH}"]
+
+
+def server_engine_config() -> EngineConfig:
+    """The EngineConfig the server builds from SERVER_FLAGS (its own parser and sizing code)."""
+    from dsv3_jax.serve import __main__ as serve_cli
+
+    return serve_cli.engine_config(serve_cli._parser().parse_args(SERVER_FLAGS))
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -52,11 +67,7 @@ def server_proc(tmp_path_factory):
     """The server process, started first so it loads while this process builds its reference handle."""
     port = _free_port()
     log = tmp_path_factory.mktemp("serve") / "server.log"
-    cmd = [sys.executable, "-m", "dsv3_jax.serve", "--port", str(port), "--max-batch", str(MAX_BATCH),
-           "--num-pages", "160", "--chunk-size", "256", "--max-batched-tokens", "256", "--max-pending", "100",
-           "--no-warmup", "--log-level", "warning"]
-    if "token_buckets" in {f.name for f in dataclasses.fields(EngineConfig)}:
-        cmd += ["--token-buckets", "8,64,256", "--row-buckets", f"4,{MAX_BATCH}"]  # few shapes: few compiles
+    cmd = [sys.executable, "-m", "dsv3_jax.serve", "--port", str(port), *SERVER_FLAGS]
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
@@ -294,30 +305,48 @@ def _engine_has_logprobs() -> bool:
 
 
 @pytest.mark.skipif(not _engine_has_logprobs(), reason="this Engine has no logprobs yet (ENGINE_API.md)")
-def test_logprobs_match_the_model(client, handle):
+def test_logprobs_are_the_engines(client, handle):
+    """The server returns the engine's logprobs faithfully: each request is replayed here through an Engine
+    on the same weights with the server's EngineConfig, alone as it ran on the server (same step shapes,
+    same arithmetic), and the values on the wire must equal the engine's float32 values. A float32 through
+    Python's float and JSON round-trips exactly; 1e-6 only absorbs a printer that shortens it. That the
+    engine's logprobs are the model's (paged engine == plain forward) is test_serve_batch_api's float32 test.
+    """
+    def replay(prompt_ids: list[int], n: int) -> tuple[list[int], list]:
+        eng = Engine(handle, server_engine_config())
+        (req,) = eng.generate([prompt_ids], max_new_tokens=3, temperature=0.0, eos=handle.eos_ids(),
+                              logprobs=n)
+        return req.output, req.output_logprobs
+
+    dec = lambda t: handle.tokenizer.decode([t])  # noqa: E731  (the server's token text)
     prompt = "Logprobs, please:"
     r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, logprobs=3,
                                   extra_body={"return_token_ids": True})
     c = r.choices[0]
     ids, lp = c.model_extra["token_ids"], c.logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(ids) == 3
-    assert lp.tokens == [handle.tokenizer.decode([t]) for t in ids]
+    assert lp.tokens == [dec(t) for t in ids]
     assert lp.text_offset[0] == 0
-    # First token: log_softmax of the model's raw logits at the prompt's last position (the cached,
-    # paged prefill and this plain forward agree to rounding: exact in float32, ~1e-2 in bfloat16).
-    logits = handle.forward([handle.tokenizer.encode(prompt)])[0, -1].astype(np.float64)
-    ref = logits - logits.max() - np.log(np.exp(logits - logits.max()).sum())
-    tol = 1e-4 if handle.config.dtype == "float32" else 5e-2
-    assert abs(lp.token_logprobs[0] - ref[ids[0]]) < tol
-    for i in range(3):  # greedy: the chosen token is the most likely; 3 alternatives each
-        assert 1 <= len(lp.top_logprobs[i]) <= 3
-        assert abs(max(lp.top_logprobs[i].values()) - lp.token_logprobs[i]) < 1e-5
+    out, want = replay(c.model_extra["prompt_token_ids"], 3)
+    assert out == ids and [w.token for w in want] == ids
+    assert np.abs(np.subtract(lp.token_logprobs, [w.logprob for w in want])).max() <= 1e-6
+    for got, w in zip(lp.top_logprobs, want, strict=True):
+        expect = dict((dec(t), v) for t, v in w.top)  # the wire's {text: logprob}, built the same way
+        assert 1 <= len(got) <= 3 and got.keys() == expect.keys()
+        assert max(abs(got[k] - expect[k]) for k in got) <= 1e-6
+        assert w.top[0][0] == w.token  # greedy: the chosen token is the most likely
     r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
-                                       max_tokens=3, temperature=0, logprobs=True, top_logprobs=2)
+                                       max_tokens=3, temperature=0, logprobs=True, top_logprobs=2,
+                                       extra_body={"return_token_ids": True})
     content = r.choices[0].logprobs.content
     assert len(content) == r.usage.completion_tokens == 3
-    for e in content:
-        assert len(e.top_logprobs) == 2 and e.logprob <= 0 and e.bytes == list(e.token.encode())
+    out, want = replay(r.model_extra["prompt_token_ids"], 2)
+    assert out == r.choices[0].model_extra["token_ids"]
+    for e, w in zip(content, want, strict=True):
+        assert e.token == dec(w.token) and e.bytes == list(e.token.encode()) and e.logprob <= 0
+        assert abs(e.logprob - w.logprob) <= 1e-6
+        assert [a.token for a in e.top_logprobs] == [dec(t) for t, _ in w.top] and len(w.top) == 2
+        assert max(abs(a.logprob - v) for a, (_, v) in zip(e.top_logprobs, w.top, strict=True)) <= 1e-6
 
 
 def test_stop_strings_n_and_seed(client, handle):
