@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import logging
 import sys
 import time
 from pathlib import Path
@@ -48,34 +47,12 @@ BEFORE = {"bare_b1_ms": 4.20, "bare_b1_floor_ms": 1.14, "engine_1req_itl_ms": 7.
           "engine_64req_mean_batch": 14, "engine_64req_ttft_s": 16}
 
 
-def engine_config(**kw) -> EngineConfig:
-    """An EngineConfig from `kw`, dropping the sizing fields this engine version does not have (the step-shape
-    fields changed between versions: coarse `token_buckets`/`row_buckets`, later fixed step shapes)."""
-    names = {f.name for f in dataclasses.fields(EngineConfig)}
-    return EngineConfig(**{k: v for k, v in kw.items() if k in names})
-
-
 def timed_warmup(eng: Engine) -> dict:
-    """`eng.warmup()` (every step shape the engine can use), with the seconds of each compiled shape as the
-    engine logs them (`compiled step KEY in S s`)."""
+    """`eng.warmup()` (every step program the engine can use): wall seconds, and the seconds of each program
+    from its tracing to its compile's end (programs compile in parallel, so these overlap)."""
     shapes: list[dict] = []
-
-    class Grab(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            if str(record.msg).startswith("compiled step") and len(record.args or ()) == 2:
-                shapes.append({"shape": str(record.args[0]), "s": round(float(record.args[1]), 2)})
-
-    logger = logging.getLogger("dsv3_jax.engine")
-    handler, level = Grab(level=logging.INFO), logger.level
-    logger.addHandler(handler)
-    if not logger.isEnabledFor(logging.INFO):
-        logger.setLevel(logging.INFO)
     c0 = eng.stats["compiles"]
-    try:
-        seconds = eng.warmup()
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
+    seconds = eng.warmup(progress=lambda done, total, key, s: shapes.append({"shape": str(key), "s": round(s, 2)}))
     return {"s": seconds, "compiles": eng.stats["compiles"] - c0, "shapes": shapes}
 
 
@@ -204,10 +181,9 @@ def main() -> None:
     vocab = cfg.vocab_size
     max_req = max(batches)
     pages = max_req * -(-(args.prompt + args.new) // kv_cache.PAGE_SIZE) + 1
-    # Coarse buckets keep the number of compiled programs (and this run's compile time) small.
-    ecfg = engine_config(num_pages=pages, max_batch=max_req, max_batched_tokens=args.max_batched_tokens,
-                         chunk_size=args.chunk, prefix_caching=False,
-                         token_buckets=(1, 64, 256, 1024, args.max_batched_tokens), row_buckets=(1, 64, max_req))
+    # The engine's default step shapes (decode 4, 32, max_batch rows; the token budget): all warmed first.
+    ecfg = EngineConfig(num_pages=pages, max_batch=max_req, max_batched_tokens=args.max_batched_tokens,
+                        chunk_size=args.chunk, prefix_caching=False)
     res["engine_config"] = {k: (list(v) if isinstance(v, tuple) else v) for k, v in ecfg.__dict__.items()}
     eng = Engine(handle, ecfg)
 

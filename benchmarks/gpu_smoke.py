@@ -189,7 +189,7 @@ def slice_parts(run: Run, z: dict, tiny: bool) -> None:
 
     from dsv3_jax import cache as kv_cache
     from dsv3_jax.api import ModelHandle
-    from dsv3_jax.engine import Engine
+    from dsv3_jax.engine import Engine, EngineConfig
 
     t0 = time.perf_counter()
     cfg = e2e_bench.slice_config(z["moe_layers"], tiny)
@@ -212,12 +212,10 @@ def slice_parts(run: Run, z: dict, tiny: bool) -> None:
     def engine() -> None:
         c = z["concurrent"]
         pages = c * kv_cache.pages_for(z["prompt"] + z["new"], kv_cache.PAGE_SIZE) + 1
-        # Few step shapes: each costs ~20-26 s of compile at full width (decode rows 1 and c, prefill at
-        # the token budget); fields the engine version lacks are dropped.
-        ecfg = engine_bench.engine_config(
-            num_pages=pages, max_batch=c, max_batched_tokens=z["max_batched_tokens"], chunk_size=z["chunk"],
-            prefix_caching=False, decode_rows=(1,), token_buckets=(1, c, z["max_batched_tokens"]),
-            row_buckets=(1, c))
+        # The engine's default step shapes (decode 4, 32 and c rows; the token budget), all warmed: the
+        # cold warmup figure is what a server start costs.
+        ecfg = EngineConfig(num_pages=pages, max_batch=c, max_batched_tokens=z["max_batched_tokens"],
+                            chunk_size=z["chunk"], prefix_caching=False)
         eng = Engine(ModelHandle(cfg, params), ecfg)
         run.res["engine_config"] = {k: (list(v) if isinstance(v, tuple) else v) for k, v in ecfg.__dict__.items()}
         w = engine_bench.timed_warmup(eng)

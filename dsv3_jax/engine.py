@@ -545,7 +545,8 @@ class Engine:
                 "prefix_hit_rate": self.pool.hits / self.pool.lookups if self.pool.lookups else 0.0,
                 "preemptions": self.sched.preemptions,
                 "mtp_acceptance": s["spec_accepted"] / prop if prop else None,
-                "compiles": s["compiles"], "compile_s": s["compile_s"]}
+                "compiles": s["compiles"], "compile_s": s["compile_s"],
+                "compiles_after_warmup": s["compiles_after_warmup"]}
 
 
 @jax.jit

@@ -38,6 +38,11 @@ class Metrics:
                                      registry=r)
         self.mtp_acceptance = Gauge("dsv3_mtp_acceptance_rate", "Accepted / proposed MTP draft tokens",
                                     registry=r)
+        self.compiles = Gauge("dsv3_engine_compiles", "Step programs compiled since start (warmup included)",
+                              registry=r)
+        self.compiles_after_warmup = Gauge("dsv3_engine_compiles_after_warmup",
+                                           "Step programs compiled while serving (0 after a full warmup)",
+                                           registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -211,6 +211,8 @@ class EngineRunner:
             m.batch_size.set((total - self._prev_batch_total) / (steps - self._prev_steps))
         self._prev_steps, self._prev_batch_total = steps, total
         m.prefix_hit_rate.set(float(st["prefix_hit_rate"]))
+        m.compiles.set(float(st["compiles"]))
+        m.compiles_after_warmup.set(float(st["compiles_after_warmup"]))
         acc = st.get("mtp_acceptance")
         if acc is not None and acc == acc:  # None / NaN: nothing proposed yet
             m.mtp_acceptance.set(float(acc))
