@@ -1,7 +1,8 @@
 """The ragged engine step: each step computes its scheduled tokens in the smallest of the engine's fixed
-step shapes that holds them (never batch x chunk), warmup compiles every shape a load can use, padding reaches no expert and writes no real page, the batch layout groups tokens by shard,
-pipelined dispatch equals one-step-at-a-time, logprobs equal the forward's log_softmax, a request
-whose logits go non-finite stops with an error without harming its neighbours, metrics are JSON."""
+step shapes that holds them (never batch x chunk), warmup compiles every shape a load can use, padding
+reaches no expert and writes no real page, the batch layout groups tokens by shard, pipelined dispatch
+equals one-step-at-a-time, logprobs equal the forward's log_softmax, a request whose logits go
+non-finite stops with an error without harming its neighbours, metrics are JSON."""
 
 from __future__ import annotations
 
