@@ -5,12 +5,16 @@
 #   (a) every GPU test:       python3 -m pytest -m gpu tests/
 #   (b) the kernel fuzz, compiled on the GPU: tests/test_kernel_fuzz.py (+ tests/test_kernel_lowering.py if present)
 #   (c) the speed smoke:      benchmarks/gpu_smoke.py against benchmarks/baseline_h200.json (arguments pass through)
+#   (d) a second process's warmup of the smoke's engine, from the compilation cache (c) filled
 # each under its own time limit, logs in $OUT/ (else a temporary directory), then a summary of the three;
 # exits non-zero when any part failed. Nothing here needs the network. Limits (seconds):
 # GPU_CHECK_LIMITS="tests fuzz total" (default "120 120 480"): the smoke gets what is left of the total.
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# One compilation cache for this run, empty at the start: the smoke's warmup is cold, the second
+# process's (part d) loads what the first compiled.
+export DSV3_JAX_CACHE_DIR="${DSV3_JAX_CACHE_DIR:-$(mktemp -d -t gpu_check_xla.XXXXXX)}"
 PY="${PYTHON:-python3}"
 LOGS="${OUT:-$(mktemp -d -t gpu_check.XXXXXX)}"
 mkdir -p "$LOGS"
@@ -37,6 +41,8 @@ part kernel_fuzz "$LIM_FUZZ" "$PY" -m pytest "${fuzz[@]}" -q -rfEs
 LIM_SMOKE=$(( LIM_TOTAL - ($(date +%s) - START) ))
 [ "$LIM_SMOKE" -lt 60 ] && LIM_SMOKE=60
 part smoke "$LIM_SMOKE" "$PY" benchmarks/gpu_smoke.py --prior "gpu_tests=${rcs[0]}" --prior "kernel_fuzz=${rcs[1]}" "$@"
+# (d) a second process start: the slice engine's warmup from the cache the smoke filled.
+part cached_start 90 "$PY" benchmarks/gpu_smoke.py --skip kernels --warmup-only --out "$LOGS/gpu_smoke_cached.json"
 
 echo
 echo "=== gpu_check summary (logs in $LOGS)"

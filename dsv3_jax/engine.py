@@ -424,6 +424,7 @@ class Engine:
         kernel backend, MoE dispatch); XLA compiles them on `workers` threads meanwhile (default: one
         per program, up to the CPU count). `progress(done, total, key, seconds)` is called as each
         program finishes, in completion order. Programs in the persistent compilation cache load from it."""
+        lockstep.warmup(max_rows, max_tokens, tuple(modes))
         store = _compiled_for(self.handle)
         keys = [k for k in self.step_keys(max_rows, max_tokens, modes) if self._compile_key(k) not in store]
         t_start = time.perf_counter()

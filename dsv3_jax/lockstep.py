@@ -7,7 +7,8 @@ processes (`follow`) rebuild the same engine and replay exactly those operations
 need neither the prompts nor the tokenizer, and the server's request handling stays on process 0.
 
 Owns: the process's channel (`activate`, once after distributed.initialize), the hooks the engine calls
-(`announce` when an engine is built, `step` before each device step, `clear` before pages are zeroed),
+(`announce` when an engine is built, `warmup` before it compiles its programs, `step` before each device
+step, `clear` before pages are zeroed),
 `finish` / `fail` (process 0 ends the followers), and `follow`, the followers' loop. Single process:
 every hook is a no-op. Must not schedule (engine.py, scheduler.py) nor move bytes itself (distributed.py).
 """
@@ -66,6 +67,13 @@ def step(key: tuple, ints: np.ndarray, floats: np.ndarray) -> None:
     _send("step", {"key": np.asarray(key, np.int64), "ints": ints, "floats": floats})
 
 
+def warmup(max_rows: int | None, max_tokens: int | None, modes: tuple[str, ...]) -> None:
+    """Process 0 is about to compile these step programs (Engine.warmup): followers compile the same
+    ones, so neither side compiles while the other waits in a step."""
+    spec = {"max_rows": max_rows, "max_tokens": max_tokens, "modes": list(modes)}
+    _send("warmup", {"spec": np.frombuffer(json.dumps(spec).encode(), np.uint8)})
+
+
 def clear(pages: np.ndarray) -> None:
     """Process 0 is about to zero these physical pages."""
     _send("clear", {"pages": np.asarray(pages, np.int32)})
@@ -99,7 +107,9 @@ def follow(handle: Any) -> int:
             for name in ("token_buckets", "row_buckets"):
                 fields[name] = tuple(fields.get(name) or ())
             engine = Engine(handle, EngineConfig(**fields))
-            engine.warmup()  # the leader's programs, compiled before its first step arrives
+        elif op == "warmup":
+            spec = json.loads(msg["spec"].tobytes().decode())
+            engine.warmup(spec["max_rows"], spec["max_tokens"], tuple(spec["modes"]))
         elif op == "step":
             engine.execute(StepKey(*(int(x) if i < 4 else bool(x) for i, x in enumerate(msg["key"]))),
                            msg["ints"], msg["floats"])

@@ -8,7 +8,6 @@ Every wait is bounded (client timeouts, deadlines) so a broken server fails the 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import os
 import socket
@@ -43,10 +42,9 @@ THINK_START, THINK_END = 128798, 128799  # ids of "<think>" and "</think>" in th
 
 # The server's flags; `server_engine_config` parses the same ones into the server's EngineConfig.
 SERVER_FLAGS = ["--max-batch", str(MAX_BATCH), "--num-pages", "160", "--chunk-size", "256",
-                "--max-batched-tokens", "256", "--max-pending", "100", "--no-warmup",
-                "--log-level", "warning"]
-if "token_buckets" in {f.name for f in dataclasses.fields(EngineConfig)}:  # few shapes: few compiles
-    SERVER_FLAGS += ["--token-buckets", "8,64,256", "--row-buckets", f"4,{MAX_BATCH}"]
+                "--max-batched-tokens", "256", "--max-pending", "100", "--log-level", "warning",
+                # Step shapes (4, 4), (64, 64), (256, 64), greedy and full: 6 programs, all warmed at start.
+                "--row-buckets", "4"]
 
 
 def server_engine_config() -> EngineConfig:
@@ -364,3 +362,14 @@ def test_stop_strings_n_and_seed(client, handle):
     assert [c.text for c in a.choices] == [c.text for c in b.choices]
     assert [c.index for c in a.choices] == [0, 1, 2] and len({c.text for c in a.choices}) > 1
     assert a.usage.prompt_tokens == len(ref.prompt_token_ids) and a.usage.completion_tokens == 18
+
+
+def test_nothing_compiles_while_serving(server_proc, server):
+    """Runs last: every request above (greedy, sampled at the default temperature, logprobs, n, 64 at
+    once, long and short prompts) ran on the step programs the server compiled before opening its port."""
+    text = httpx.get(server + "/metrics", timeout=10).text
+    gauges = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    assert gauges["dsv3_engine_compiles"] == 6  # all at warmup
+    assert gauges["dsv3_engine_compiles_after_warmup"] == 0
+    log = server_proc[2].read_text()
+    assert "warmup done: 6 step programs" in log and "6/6" in log
