@@ -2,7 +2,8 @@
 
 Owns the case list and the table: MLA decode variants (H=128 TFLOP/s, H=16 TB/s of cache), the FP8 grouped
 GEMM at 65,536 rows beside torch's fp8 rowwise grouped GEMM, and the dense FP8 GEMM at the attention shapes
-(M = 1, 64, 4096) and 8192^3 beside cuBLAS fp8 (at M <= 64 also the swap-AB kernel, `fp8_small_m`), and
+(M = 1, 64, 4096) and 8192^3 beside cuBLAS fp8 (with `--experimental`, at M <= 64 also the swap-AB kernel,
+`pallas_kernels.experimental.fp8_small_m`, which has faulted the device: off by default), and
 the whole FP8 linear from bf16 activations (`linear`: quantization and GEMM in one program) beside torch's
 fp8 rowwise linear and its bf16 GEMM. Every figure is the median (min/max in the JSON) of the per-call GPU
 time over back-to-back calls; each of our results is checked against its reference first.
@@ -15,6 +16,7 @@ Inputs and checks come from `mla_bench.py` and `moe_gemm_bench.py`.
     python benchmarks/kernel_device_bench.py --only mla --mla-variants v1,v8
     python benchmarks/kernel_device_bench.py --only dense --configs m/4,m/4/w256/b8  # extra tilings
     python benchmarks/kernel_device_bench.py --only linear --rows 1,64 --side peer
+    python benchmarks/kernel_device_bench.py --only dense,linear --rows 1,64 --experimental  # + swap-AB
 """
 
 from __future__ import annotations
@@ -46,9 +48,9 @@ from moe_gemm_bench import (  # noqa: E402
     random_fp8_weights,
 )
 
+from pallas_kernels.experimental.fp8_small_m import SWAP_MAX_ROWS, fp8_gemm_swap_ab  # noqa: E402
 from pallas_kernels.fp8_gemm import default_config, dense_config, fp8_gemm, fp8_grouped_gemm  # noqa: E402
 from pallas_kernels.fp8_quant import quantize_act  # noqa: E402
-from pallas_kernels.fp8_small_m import SWAP_MAX_ROWS, fp8_gemm_swap_ab  # noqa: E402
 from pallas_kernels.mla_decode import mla_decode  # noqa: E402
 from pallas_kernels.mla_reference import mla_decode_reference  # noqa: E402
 
@@ -164,7 +166,7 @@ def grouped(results: list, configs, side: str) -> None:
         torch.cuda.empty_cache()
 
 
-def dense(results: list, configs, side: str, rows=(1, 64, 4096)) -> None:
+def dense(results: list, configs, side: str, rows=(1, 64, 4096), experimental: bool = False) -> None:
     shapes = [(m, k, n) for m in rows for k, n in DENSE_SHAPES] + [(8192, 8192, 8192)]
     for m, k, n in shapes:
         kx, kw = jax.random.split(jax.random.key(m + n))
@@ -180,7 +182,7 @@ def dense(results: list, configs, side: str, rows=(1, 64, 4096)) -> None:
                      rel_err=err)
             except Exception as ex:  # noqa: BLE001 - a tiling that does not fit this shape; report, go on
                 print(f"{case}: {config_label(cfg)} FAILED: {type(ex).__name__}: {str(ex)[:300]}", flush=True)
-        if side == "ours" and m <= SWAP_MAX_ROWS:  # the swap-AB candidate for decode's few rows
+        if side == "ours" and experimental and m <= SWAP_MAX_ROWS:  # the swap-AB candidate (few rows)
             fn = jax.jit(fp8_gemm_swap_ab)
             args = (xq, xs, wq[0], ws[0])
             err = round(check_sample(fn(*args), xq, xs, wq, ws, np.array([m]), [0]), 5)
@@ -194,11 +196,11 @@ def dense(results: list, configs, side: str, rows=(1, 64, 4096)) -> None:
         _row(results, case, "torch _scaled_mm fp8 (cuBLAS)", torch_device_time(peer), flops, n * k)
 
 
-def linear(results: list, side: str, rows=(1, 64)) -> None:
+def linear(results: list, side: str, rows=(1, 64), experimental: bool = False) -> None:
     """A whole FP8 linear from bf16 activations, as the model runs it: the activation quantization in the
     same program as the GEMM, so XLA may fuse the padding and scale layout into the quantization (the
     `dense` rows time the GEMM alone, from pre-quantized inputs, where that glue is separate kernels).
-    Ours: `fp8_linear` (the default routing) and quantize + swap-AB. Peers: torch's fp8 rowwise linear
+    Ours: `fp8_linear` (the default routing) and, with `experimental`, quantize + swap-AB. Peers: torch's fp8 rowwise linear
     (row amax, cast, `_scaled_mm` with per-row scales: coarser than our 1x128 blocks) and the bf16 GEMM
     of a BF16 checkpoint (`x @ w.T`, cuBLAS)."""
     from pallas_kernels.fp8_gemm import fp8_linear
@@ -213,7 +215,8 @@ def linear(results: list, side: str, rows=(1, 64)) -> None:
             if side == "ours":
                 args = (x, wq[0], ws[0])
                 ref = jax.jit(fp8_linear_reference)(*args)
-                swap = (lambda a, w, s: fp8_gemm_swap_ab(*quantize_act(a), w, s)) if m <= SWAP_MAX_ROWS else None
+                few = experimental and m <= SWAP_MAX_ROWS
+                swap = (lambda a, w, s: fp8_gemm_swap_ab(*quantize_act(a), w, s)) if few else None
                 for who, f in (("pallas fp8_linear (default)", fp8_linear), ("pallas quantize + swap-AB", swap)):
                     if f is None:
                         continue
@@ -255,6 +258,8 @@ def main() -> None:
     ap.add_argument("--rows", default="1,64,4096", help="dense/linear: M values")
     # JAX's CUPTI tracer fails once torch's profiler has run in the process, so each side is its own run.
     ap.add_argument("--side", default="ours", choices=["ours", "peer"], help="grouped/dense: ours or the torch peer")
+    ap.add_argument("--experimental", action="store_true",
+                    help="dense/linear: also time pallas_kernels.experimental (swap-AB; it may fault the device)")
     a = ap.parse_args()
     configs = [parse_config(c) for c in a.configs.split(",") if c]
     results: list = []
@@ -273,9 +278,9 @@ def main() -> None:
         if "grouped" in only:
             grouped(results, configs, a.side)
         if "dense" in only:
-            dense(results, configs, a.side, tuple(int(r) for r in a.rows.split(",")))
+            dense(results, configs, a.side, tuple(int(r) for r in a.rows.split(",")), a.experimental)
         if "linear" in only:
-            linear(results, a.side, tuple(int(r) for r in a.rows.split(",")))
+            linear(results, a.side, tuple(int(r) for r in a.rows.split(",")), a.experimental)
     finally:
         Path(a.out).write_text(json.dumps(dict(meta=meta, results=results), indent=1))
         print(f"wrote {a.out}")

@@ -40,6 +40,7 @@ from pallas_kernels.group_tiles import (
     dense_tile_metadata,
     num_sms,
     pad_axis,
+    padded_rows,
     round_up,
     run_tile_pipeline,
     store_rows,
@@ -396,9 +397,10 @@ def _launch(x_fp8, x_scale, w_fp8, w_scale, row_tiles, *, out_dtype, cfg: Fp8Gem
     if m == 0:
         return jnp.zeros((0, n), out_dtype)
     # Pad only odd shapes (DeepSeek's are all multiples of 128): K to a whole scale block, N to a
-    # whole tile, M to at least one tile. Padding is zeros, which adds nothing to the products.
+    # whole tile, M to whole 8-row TMA tiles and at least one row tile (``padded_rows``; a partial row
+    # tile at the end reads zeros past it). Padding is zeros, which adds nothing to the products.
     kp, np_ = round_up(k, _BK), round_up(n, cfg.tile_n * cfg.cluster_n)
-    mp = max(m, cfg.tile_m)
+    mp = padded_rows(m, cfg.tile_m)
     x = pad_axis(pad_axis(x_fp8, 1, kp), 0, mp)
     w = pad_axis(w_fp8, 1, np_) if np_ != n else w_fp8
     w = pad_axis(w, 2, kp)

@@ -6,7 +6,8 @@ rows (``store_rows``, a power-of-two ladder of TMA stores), how a persistent CTA
 chains) its tiles' K pipelines (``run_tile_pipeline``), the plain-jnp segment matmul over such
 tiles that both references use (``segment_matmul``: the bf16 reference and the FP8 one, which
 dequantizes one group's weight per tile), and the few shape helpers both kernels share
-(``round_up``, ``pad_axis``, ``num_sms``), the host-side row tiles of a dense GEMM
+(``round_up``, ``pad_axis``, ``num_sms``, ``padded_rows``: the row count a kernel's TMA operands
+need), the host-side row tiles of a dense GEMM
 (``dense_tile_metadata``), and the one check of ``group_sizes`` that kernels and references share
 (``check_group_sizes``). Must not know about operand dtypes, scales, tilings of N/K or the model.
 """
@@ -123,6 +124,19 @@ def run_tile_pipeline(make_pipeline, step, ctx, refs, allocs, info: plgpu.NDLoop
 
 def round_up(n: int, m: int) -> int:
     return -(-n // m) * m
+
+
+# TMA operands are tiled (8, 128 bytes) in shared memory, and Mosaic GPU tiles the whole global array the
+# same way: a dimension longer than 8 rows must be a whole number of 8-row tiles (rows = 65 fails to lower).
+TMA_ROW_TILE = 8
+
+
+def padded_rows(num_rows: int, tile_m: int) -> int:
+    """Rows a grouped/dense GEMM kernel runs on: ``num_rows`` rounded up to whole ``TMA_ROW_TILE`` tiles
+    and to at least one ``tile_m`` row tile. A row tile that ends past them reads zeros (TMA fills a
+    box's out-of-bounds part with zeros) and stores only its valid rows, so rows need no more padding,
+    and a row count the model produces (tokens x experts per token, a multiple of 8) costs no copy."""
+    return max(round_up(num_rows, TMA_ROW_TILE), tile_m)
 
 
 def pad_axis(x: jax.Array, axis: int, size: int) -> jax.Array:

@@ -38,6 +38,7 @@ from pallas_kernels.group_tiles import (
     check_group_sizes,
     num_sms,
     pad_axis,
+    padded_rows,
     round_up,
     run_tile_pipeline,
     segment_matmul,
@@ -247,9 +248,10 @@ def _run_kernel(x, w, group_sizes, out_dtype, cfg: GroupedGemmConfig, interpret:
         raise ValueError(f"config {cfg} needs {cfg.smem_bytes(out_dtype)} bytes of shared memory with "
                          f"{jnp.dtype(out_dtype).name} output; Hopper has {_SMEM_LIMIT}")
     # DeepSeek's shapes need no padding: K is a multiple of 64 and N of the tile. Odd shapes are padded
-    # with zeros (a copy of the operands), which adds nothing to the products. M is padded only up to
-    # one row tile; partial tiles at the end read past M (TMA fills zeros) and store only valid rows.
-    kp, np_, mp = round_up(k, _BK), round_up(n, cfg.tile_n), max(m, cfg.tile_m)
+    # with zeros (a copy of the operands), which adds nothing to the products. M is padded only to whole
+    # 8-row TMA tiles and at least one row tile (``padded_rows``); partial tiles at the end read past it
+    # (TMA fills zeros) and store only valid rows.
+    kp, np_, mp = round_up(k, _BK), round_up(n, cfg.tile_n), padded_rows(m, cfg.tile_m)
     if (kp // _BK) % cfg.k_splits:
         raise ValueError(f"k_splits={cfg.k_splits} does not divide K={kp} into whole {_BK}-wide steps")
     xp = pad_axis(pad_axis(x, 1, kp), 0, mp)

@@ -1,11 +1,11 @@
 """Seeded random configurations of every public kernel against its reference.
 
 The hand-picked cases in `test_mla_kernels.py`, `test_grouped_gemm.py`, `test_fp8_kernels.py` and
-`test_fp8_small_m.py` cover each mechanism once; these draw shapes, ragged lengths, split counts, variants
-and group sizes at random (a fixed seed per case, shown in the test id and the failure message), where
-combinations nobody thought of live: a 40-case run of this kind found that an MLA split of more pages than
-ring slots failed in the GPU interpreter. Off a GPU the kernels run in Pallas' interpreter (which checks
-barriers and bounds); on a GPU the same tests run the compiled kernels.
+`test_fp8_small_m.py` (the experimental swap-AB kernel) cover each mechanism once; these draw shapes, ragged
+lengths, split counts, variants and group sizes at random (a fixed seed per case, shown in the test id and
+the failure message), where combinations nobody thought of live: a 40-case run of this kind found that an
+MLA split of more pages than ring slots failed in the GPU interpreter. Off a GPU the kernels run in Pallas'
+interpreter (which checks barriers and bounds); on a GPU the same tests run the compiled kernels.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels.experimental.fp8_small_m import SWAP_MAX_ROWS, fp8_gemm_swap_ab
 from pallas_kernels.fp8_gemm import fp8_gemm, fp8_grouped_gemm
 from pallas_kernels.fp8_quant import quantize_act, quantize_weight
 from pallas_kernels.fp8_reference import fp8_gemm_reference, fp8_grouped_gemm_reference
-from pallas_kernels.fp8_small_m import SWAP_MAX_ROWS, fp8_gemm_swap_ab
 from pallas_kernels.grouped_gemm import grouped_gemm, grouped_gemm_reference
 from pallas_kernels.mla_decode import KERNEL_VARIANTS, mla_decode
 from pallas_kernels.mla_prefill import mla_prefill
@@ -41,12 +41,20 @@ def _mla_case(seed: int) -> dict:
     )
 
 
-@pytest.mark.parametrize("seed", MLA_SEEDS)
-def test_mla_random_configuration(seed):
+def mla_inputs(seed: int) -> tuple[dict, np.random.Generator, jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Case `seed`'s configuration, its generator (drawn on by the test) and its operands: the pool, the
+    page table and the queries (`tests/test_kernel_lowering.py` lowers the same shapes for Hopper)."""
     c = _mla_case(seed)
     rng, lens, b = c.pop("rng"), c["lens"], len(c["lens"])
     kv, table = _make_cache(rng, lens)
     ql, qr = _queries(rng, (b, c["nq"], c["heads"]))
+    return c, rng, kv, table, ql, qr
+
+
+@pytest.mark.parametrize("seed", MLA_SEEDS)
+def test_mla_random_configuration(seed):
+    c, rng, kv, table, ql, qr = mla_inputs(seed)
+    lens = c["lens"]
     kv_ref = jnp.nan_to_num(kv.astype(jnp.float32))  # pages no sequence owns are NaN: never to be read
     # v3 sums the other consumer's pages from bf16 P by design (see test_decode_matches_reference).
     lse_atol = 2e-3 if c["variant"] == "v3" else 1e-4
@@ -81,8 +89,10 @@ def _group_sizes(rng, rows: int, groups: int) -> np.ndarray:
     return sizes
 
 
-@pytest.mark.parametrize("seed", GEMM_SEEDS)
-def test_gemm_random_configuration(seed):
+def gemm_case(seed: int) -> dict:
+    """Case `seed`'s configuration and fp32 operands: kind ("dense", "swap_ab", "fp8_grouped",
+    "bf16_grouped"), rows, k, n, x [rows, k], w [n, k] or [groups, n, k], and for the grouped kinds
+    group_sizes (`tests/test_kernel_lowering.py` lowers the same shapes for Hopper)."""
     rng = np.random.default_rng(2000 + seed)
     kind = ["dense", "swap_ab", "fp8_grouped", "bf16_grouped"][seed % 4]
     rows = int(rng.choice([1, 3, 8, 17, 64, 65, 130]))
@@ -91,17 +101,29 @@ def test_gemm_random_configuration(seed):
     n = int(rng.choice([100, 128, 256, 384]))
     groups = int(rng.integers(1, 6))
     case = dict(kind=kind, rows=rows, k=k, n=n)
-    x = jnp.asarray(rng.standard_normal((rows, k)), jnp.float32)
+    case["x"] = rng.standard_normal((rows, k))
+    if kind in ("dense", "swap_ab"):
+        case["w"] = rng.standard_normal((n, k)) * 0.05
+    else:
+        case["group_sizes"] = _group_sizes(rng, rows, groups).tolist()
+        case["w"] = rng.standard_normal((groups, n, k)) * 0.05
+    return case
+
+
+@pytest.mark.parametrize("seed", GEMM_SEEDS)
+def test_gemm_random_configuration(seed):
+    c = gemm_case(seed)
+    kind, rows, n = c["kind"], c["rows"], c["n"]
+    case = {key: c[key] for key in ("kind", "rows", "k", "n", "group_sizes") if key in c}
+    x = jnp.asarray(c["x"], jnp.float32)
     if kind in ("dense", "swap_ab"):
         xq, xs = quantize_act(x)
-        wq, ws = quantize_weight(jnp.asarray(rng.standard_normal((n, k)) * 0.05, jnp.float32))
+        wq, ws = quantize_weight(jnp.asarray(c["w"], jnp.float32))
         kernel = fp8_gemm if kind == "dense" else fp8_gemm_swap_ab
         out, ref = kernel(xq, xs, wq, ws), fp8_gemm_reference(xq, xs, wq, ws)
     else:
-        sizes = _group_sizes(rng, rows, groups)
-        case["group_sizes"] = sizes.tolist()
-        gs = jnp.asarray(sizes, jnp.int32)
-        w = jnp.asarray(rng.standard_normal((groups, n, k)) * 0.05, jnp.float32)
+        gs = jnp.asarray(c["group_sizes"], jnp.int32)
+        w = jnp.asarray(c["w"], jnp.float32)
         if kind == "fp8_grouped":
             xq, xs = quantize_act(x)
             wq, ws = jax.vmap(quantize_weight)(w)
