@@ -104,6 +104,8 @@ def test_swap_ab_gpu_at_deepseek_shapes(m, k, n):
                           capture_output=True, text=True, timeout=600)
     lines = (proc.stdout + proc.stderr).strip().splitlines() or ["(no output)"]
     last = [ln for ln in proc.stdout.splitlines() if ln.startswith("ok ")]
-    assert proc.returncode == 0 and last, f"child exited {proc.returncode}: {lines[-1]}"
+    errors = [ln.strip() for ln in lines if "error" in ln.lower()]  # the last line may be a source location
+    assert proc.returncode == 0 and last, (f"child exited {proc.returncode}: {lines[-1]}"
+                                           + (f" ({errors[-1][:300]})" if errors else ""))
     err = float(last[-1].split()[1])
     assert err <= 1e-2, f"relative error {err:.2e}"

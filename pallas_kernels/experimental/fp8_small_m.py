@@ -3,7 +3,17 @@ Mosaic GPU.
 
 Owns ``fp8_gemm_swap_ab`` and its split rule ``swap_ab_splits``; numerics and argument checks are those of
 ``fp8_gemm.fp8_gemm`` (same arguments, same result up to fp32 summation order), which owns the default
-path. Not used by default: it is a candidate for issue 17's small-M items, not yet timed on a GPU.
+path. Experimental (``pallas_kernels.experimental``): not used by the model. On the H200 it faults the
+device (CUDA_ERROR_MISALIGNED_ADDRESS) at M = 1 and 8 at all three DeepSeek shapes
+(tests/test_fp8_small_m.py::test_swap_ab_gpu_at_deepseek_shapes, run in child processes); M = 64 passed.
+
+Hypothesis for the fault (from the code, not yet confirmed on the GPU): the per-stage activation-scale
+buffer is a ``(1, rows)`` fp32 TMA block, ``4 * rows`` bytes, and the pipeline's stages sit back to back
+in shared memory. A TMA destination in shared memory must be 128-byte aligned; at rows = 8 (M = 1..8
+padded to wgmma's N of 8) a stage is 32 bytes, so stages 1..3 of each ring start 32, 64, 96 bytes into
+it, while at rows = 64 a stage is 256 bytes and every start is aligned. (The product kernel's scale
+block is ``(1, tile_m)`` with tile_m = 64 or 128, always a multiple of 128 bytes.) Padding the scale
+block to 32 columns (128 bytes) while keeping the activation tile at 8 rows would test it.
 
 Why: with M <= 64 rows, the normal tiling puts the rows in the wgmma M dimension, which is always 64, so
 the activation tile is padded to 64 rows and every CTA owns 256 output columns (96 CTAs at N = 24576, 6 at
