@@ -379,6 +379,8 @@ def fp8_grouped_gemm(
     """
     _check_inputs(x_fp8, x_scale, w_fp8, w_scale, group_sizes)
     m, e = x_fp8.shape[0], w_fp8.shape[0]
+    if 0 in (m, e, *w_fp8.shape[1:]):  # no rows, no groups, no columns or an empty sum: all zeros
+        return jnp.zeros((m, w_fp8.shape[1]), out_dtype)
 
     def row_tiles(padded_rows: int, tile_m: int):
         meta, _ = tile_metadata(group_sizes, padded_rows, tile_m)
@@ -454,6 +456,8 @@ def fp8_gemm(
     its row tiles computed on the host (``group_tiles.dense_tile_metadata``)."""
     check_dense_inputs(x_fp8, x_scale, w_fp8, w_scale)
     m = x_fp8.shape[0]
+    if 0 in (m, *w_fp8.shape):  # no rows, no columns or an empty sum over K: all zeros
+        return jnp.zeros((m, w_fp8.shape[0]), out_dtype)
 
     def row_tiles(padded_rows: int, tile_m: int):
         del padded_rows  # rows past m are padding, sliced off: no zero tail needed

@@ -321,7 +321,7 @@ def grouped_gemm(
     _check_inputs(x, w, group_sizes)
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     m, n = x.shape[0], w.shape[1]
-    if m == 0 or n == 0:
+    if 0 in (m, n, x.shape[1], w.shape[0]):  # no rows, no columns, an empty sum or no groups: all zeros
         return jnp.zeros((m, n), out_dtype)
     cfg = config or default_config(m, w.shape[0])
     return _grouped_gemm(x, w, group_sizes.astype(jnp.int32), out_dtype, cfg, resolve_interpret(interpret))

@@ -363,3 +363,19 @@ def test_grouped_reference_never_uses_ragged_dot_nor_dequantizes_every_expert():
         want[r:r + n] = x[r:r + n] @ w[g].T
         r += n
     np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("m,k,n,e", [(4, 0, 8, 2), (4, 128, 8, 0), (4, 128, 0, 2), (0, 128, 8, 2)])
+def test_empty_dimensions_give_zeros(m, k, n, e):
+    """Empty K, no experts, no columns or no rows: zeros of [M, N] from the grouped and the dense GEMM."""
+    from pallas_kernels.fp8_gemm import fp8_gemm, fp8_grouped_gemm
+
+    kb, nb = -(-k // 128), -(-n // 128)
+    x, xs = jnp.ones((m, k), FP8_DTYPE), jnp.ones((m, kb), jnp.float32)
+    w, ws = jnp.ones((e, n, k), FP8_DTYPE), jnp.ones((e, nb, kb), jnp.float32)
+    outs = [fp8_grouped_gemm(x, xs, w, ws, jnp.full((e,), m // max(e, 1), jnp.int32), interpret=True)]
+    if e:
+        outs.append(fp8_gemm(x, xs, w[0], ws[0], interpret=True))
+    for out in outs:
+        assert out.shape == (m, n) and out.dtype == jnp.bfloat16
+        assert not bool(jnp.any(out != 0))

@@ -247,3 +247,13 @@ def test_grouped_gemm_deepseek_shapes_gpu(k, n, m, load):
         num += float(jnp.sum((out[lo:hi].astype(jnp.float32) - ref) ** 2))
         den += float(jnp.sum(ref**2))
     assert (num / den) ** 0.5 <= 1e-2
+
+
+@pytest.mark.parametrize("m,k,n,g", [(4, 0, 8, 2), (4, 64, 8, 0), (4, 64, 0, 2), (0, 64, 8, 2)])
+def test_empty_dimensions_give_zeros(m, k, n, g):
+    """An empty K (empty sums), no groups (every row past them), no columns or no rows: zeros of
+    [M, N], not an error from inside the kernel's tiling."""
+    out = grouped_gemm(jnp.ones((m, k), jnp.bfloat16), jnp.ones((g, n, k), jnp.bfloat16),
+                       jnp.full((g,), m // max(g, 1), jnp.int32), interpret=True)
+    assert out.shape == (m, n) and out.dtype == jnp.bfloat16
+    assert not bool(jnp.any(out != 0))
