@@ -52,8 +52,13 @@ def timed_warmup(eng: Engine) -> dict:
     from its tracing to its compile's end (programs compile in parallel, so these overlap)."""
     shapes: list[dict] = []
     c0 = eng.stats["compiles"]
-    seconds = eng.warmup(progress=lambda done, total, key, s: shapes.append({"shape": str(key), "s": round(s, 2)}))
-    return {"s": seconds, "compiles": eng.stats["compiles"] - c0, "shapes": shapes}
+    def progress(done: int, total: int, key, s: float) -> None:
+        shapes.append({"shape": str(key), "s": round(s, 2)})
+        print(f"  warmup {done}/{total}: {key} {s:.1f} s", flush=True)
+
+    seconds = eng.warmup(progress=progress)
+    return {"s": seconds, "compiles": eng.stats["compiles"] - c0, "loaded": eng.stats["programs_loaded"],
+            "shapes": shapes}
 
 
 def pct(xs, q):

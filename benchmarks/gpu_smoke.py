@@ -230,7 +230,7 @@ def slice_parts(run: Run, z: dict, tiny: bool, warmup_only: bool = False) -> Non
                    compiles=w["compiles"], per_program_s=[x["s"] for x in w["shapes"]])
         if not tiny:
             run.check(f"engine warmup ({kind}) <= {bound:.0f} s", w["s"] <= bound,
-                      f"{w['s']:.1f} s for {w['compiles']} programs")
+                      f"{w['s']:.1f} s: {w['compiles']} programs compiled, {w['loaded']} loaded")
         if warmup_only:
             return
         rng = np.random.default_rng(0)

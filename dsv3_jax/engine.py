@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv3_jax import cache as kv_cache
-from dsv3_jax import kernels, lockstep, moe, sharding, step
+from dsv3_jax import kernels, lockstep, moe, program_cache, sharding, step
 from dsv3_jax.paging import OutOfPages, PagePool
 from dsv3_jax.sampling import MAX_LOGPROBS, validate_sampling_params
 from dsv3_jax.scheduler import Request, Scheduler
@@ -187,7 +187,7 @@ class Engine:
         longest = min(c.num_pages // self._shards - 1,
                       kv_cache.pages_for(mc.max_position_embeddings + c.spec_k, c.page_size))
         self.width = -(-max(longest, 1) // 8) * 8
-        enable_compilation_cache()
+        self._programs = program_cache.ProgramStore(enable_compilation_cache())
         # Multi-host: the other processes build this engine too, before any device array exists
         # (placing arrays on a mesh that spans processes is collective).
         lockstep.announce(c)
@@ -214,7 +214,7 @@ class Engine:
                                       "tokens": deque(maxlen=recent), "padded_tokens": deque(maxlen=recent),
                                       "sum_rows": 0, "sum_tokens": 0, "sum_padded": 0, "peak_page_usage": 0.0,
                                       "preemptions": 0, "compiles": 0, "compile_s": 0.0,
-                                      "compiles_after_warmup": 0,
+                                      "compiles_after_warmup": 0, "programs_loaded": 0,
                                       "spec_proposed": 0, "spec_accepted": 0}
 
     # ------------------------------------------------------------------ queues (scheduler's)
@@ -423,7 +423,8 @@ class Engine:
         seconds spent. Tracing runs here one program after another (it reads this thread's settings:
         kernel backend, MoE dispatch); XLA compiles them on `workers` threads meanwhile (default: one
         per program, up to the CPU count). `progress(done, total, key, seconds)` is called as each
-        program finishes, in completion order. Programs in the persistent compilation cache load from it."""
+        program finishes, in completion order. A program an earlier process compiled loads from the
+        program store (program_cache: no tracing), else XLA's persistent cache spares the compile."""
         lockstep.warmup(max_rows, max_tokens, tuple(modes))
         store = _compiled_for(self.handle)
         keys = [k for k in self.step_keys(max_rows, max_tokens, modes) if self._compile_key(k) not in store]
@@ -434,12 +435,22 @@ class Engine:
             futures = {}
             for key in keys:
                 t0 = time.perf_counter()
+                loaded = self._programs.load(self._program_id(key), self._devices())
+                if loaded is not None:
+                    store[self._compile_key(key)] = loaded
+                    self.stats["programs_loaded"] += 1
+                    done += 1
+                    log.info("loaded step %s in %.1f s", key, time.perf_counter() - t0)
+                    if progress is not None:
+                        progress(done, len(keys), key, time.perf_counter() - t0)
+                    continue
                 lowered = self._lower(key)
                 futures[pool.submit(self._compile_timed, lowered, t0)] = key
             for fut in concurrent.futures.as_completed(futures):
                 key = futures[fut]
                 compiled, seconds = fut.result()
                 store[self._compile_key(key)] = compiled
+                self._programs.save(self._program_id(key), compiled)
                 self.stats["compiles"] += 1
                 self.stats["compile_s"] += seconds
                 done += 1
@@ -454,6 +465,15 @@ class Engine:
         self._compile_s += wall
         self._warm = True
         return wall
+
+    def _devices(self) -> list:
+        mesh = self.handle.mesh
+        return [jax.devices()[0]] if mesh is None else list(mesh.devices.flat)
+
+    def _program_id(self, key: step.StepKey) -> str:
+        h = self.handle
+        return program_cache.program_id((self._compile_key(key)[0], *self._compile_key(key)[2:], h.attention),
+                                        (h.params, self.cache, self.state), h.mesh, h.config)
 
     def _compile_timed(self, lowered, t0: float):
         compiled = self._compile_lowered(lowered)
@@ -547,7 +567,7 @@ class Engine:
                 "preemptions": self.sched.preemptions,
                 "mtp_acceptance": s["spec_accepted"] / prop if prop else None,
                 "compiles": s["compiles"], "compile_s": s["compile_s"],
-                "compiles_after_warmup": s["compiles_after_warmup"]}
+                "compiles_after_warmup": s["compiles_after_warmup"], "programs_loaded": s["programs_loaded"]}
 
 
 @jax.jit

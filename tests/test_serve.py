@@ -369,7 +369,6 @@ def test_nothing_compiles_while_serving(server_proc, server):
     once, long and short prompts) ran on the step programs the server compiled before opening its port."""
     text = httpx.get(server + "/metrics", timeout=10).text
     gauges = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
-    assert gauges["dsv3_engine_compiles"] == 6  # all at warmup
     assert gauges["dsv3_engine_compiles_after_warmup"] == 0
     log = server_proc[2].read_text()
     assert "warmup done: 6 step programs" in log and "6/6" in log
