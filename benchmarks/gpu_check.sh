@@ -8,7 +8,7 @@
 #   (d) a second process's warmup of the smoke's engine, from the compilation cache (c) filled
 # each under its own time limit, logs in $OUT/ (else a temporary directory), then a summary of the three;
 # exits non-zero when any part failed. Nothing here needs the network. Limits (seconds):
-# GPU_CHECK_LIMITS="tests fuzz total" (default "150 90 440"): the smoke gets what is left of the total;
+# GPU_CHECK_LIMITS="tests fuzz total" (default "270 90 560"): the smoke gets what is left of the total;
 # part (d) has 120 s of its own.
 set -u
 cd "$(dirname "$0")/.."
@@ -19,7 +19,7 @@ export DSV3_JAX_CACHE_DIR="${DSV3_JAX_CACHE_DIR:-$(mktemp -d -t gpu_check_xla.XX
 PY="${PYTHON:-python3}"
 LOGS="${OUT:-$(mktemp -d -t gpu_check.XXXXXX)}"
 mkdir -p "$LOGS"
-read -r LIM_TESTS LIM_FUZZ LIM_TOTAL <<< "${GPU_CHECK_LIMITS:-150 90 440}"
+read -r LIM_TESTS LIM_FUZZ LIM_TOTAL <<< "${GPU_CHECK_LIMITS:-270 90 560}"
 START=$(date +%s)
 
 names=() rcs=() secs=()
@@ -39,15 +39,21 @@ part() {  # part NAME LIMIT CMD... : run under `timeout`, output to the terminal
 # that hangs fails alone (pytest-timeout, in the GPU image) instead of eating the part's limit.
 TIMEOUT_ARGS=()
 "$PY" -c "import pytest_timeout" 2>/dev/null && TIMEOUT_ARGS=(--timeout=90)
-part gpu_tests "$LIM_TESTS" "$PY" -m pytest -m "gpu and not experimental" tests/ -q -rfEs --durations=8 \
-  --continue-on-collection-errors "${TIMEOUT_ARGS[@]}"
+# Three pytest workers (pytest-xdist, in the GPU image) share the GPU: compiles dominate the suite and run
+# on the CPU cores in parallel; each worker takes at most 30% of the GPU's memory.
+XDIST_ARGS=()
+"$PY" -c "import xdist" 2>/dev/null && XDIST_ARGS=(-n 3)
+export XLA_PYTHON_CLIENT_MEM_FRACTION=0.3
+part gpu_tests "$LIM_TESTS" "$PY" -m pytest -m "gpu and not experimental" tests/ \
+  -q -rfEs --durations=8 --continue-on-collection-errors "${TIMEOUT_ARGS[@]}" "${XDIST_ARGS[@]}"
+unset XLA_PYTHON_CLIENT_MEM_FRACTION
 # The compiled fuzz; the ahead-of-time Hopper lowering test is a CPU test (CI runs it), not repeated here.
 part kernel_fuzz "$LIM_FUZZ" "$PY" -m pytest tests/test_kernel_fuzz.py -q -rfEs --durations=5 "${TIMEOUT_ARGS[@]}"
 LIM_SMOKE=$(( LIM_TOTAL - ($(date +%s) - START) ))
 [ "$LIM_SMOKE" -lt 200 ] && LIM_SMOKE=200
 part smoke "$LIM_SMOKE" "$PY" benchmarks/gpu_smoke.py --prior "gpu_tests=${rcs[0]}" --prior "kernel_fuzz=${rcs[1]}" "$@"
 # (d) a second process start: the slice engine's warmup from the cache the smoke filled.
-part cached_start 120 "$PY" benchmarks/gpu_smoke.py --skip kernels --warmup-only --out "$LOGS/gpu_smoke_cached.json"
+part cached_start 40 "$PY" benchmarks/gpu_smoke.py --skip kernels --warmup-only --out "$LOGS/gpu_smoke_cached.json"
 
 echo
 echo "=== gpu_check summary (logs in $LOGS)"
