@@ -1,9 +1,9 @@
 """The serving engine: continuous batching over a paged latent cache with ragged token steps, chunked
 prefill, prefix caching, preemption, cancellation, logprobs, a non-finite guard and MTP speculation.
 
-Owns: the public contract (docs: /work/notes/ENGINE_API.md; `Engine`, `EngineConfig`, `StepEvent`,
-`TokenLogprob`), request validation and pages-needed, the step loop  schedule (scheduler.py) -> lay out
-the host batch (step.py) -> execute on device -> commit results, the compiled steps (one per
+Owns: the public contract (`Engine`, `EngineConfig`, `StepEvent`, `TokenLogprob`: this docstring and
+theirs), request validation and pages-needed, the step loop  schedule (scheduler.py) -> lay out the host
+batch (step.py) -> execute on device -> commit results, the compiled steps (one per
 `step.StepKey`: the engine's fixed `step.StepShapes` in two modes at one page-table width, at most 8 by
 default, all compiled by `warmup()` before serving, in parallel, and timed; compile time is reported apart
 from step times), the device-resident cache and per-request state, and the JAX persistent compilation

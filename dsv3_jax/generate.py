@@ -158,7 +158,9 @@ def _to_ids(handle, item: Any, args: argparse.Namespace) -> list[int]:
 def _gen_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     from dsv3_jax.parallel_cli import warmup_printer
 
-    progress = None if args.no_warmup else warmup_printer("dsv3_jax.generate")
+    # Progress lines on a terminal only: piped stderr keeps the one-line error contract (the warmup runs).
+    progress = None if args.no_warmup else (warmup_printer("dsv3_jax.generate") if sys.stderr.isatty()
+                                            else lambda *_: None)
     return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                 top_k=args.top_k, seed=args.seed, stop=args.stop or None, spec_k=args.mtp,
                 warmup_progress=progress)
