@@ -38,8 +38,9 @@ if __name__ == "__main__":
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from dsv3_jax import moe, sharding  # noqa: E402
 from dsv3_jax.config import ModelConfig  # noqa: E402
+from dsv3_jax.model import moe  # noqa: E402
+from dsv3_jax.parallel import sharding  # noqa: E402
 
 ACT = 2  # bf16 activations
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
@@ -222,7 +223,7 @@ def hlo_count(cfg: ModelConfig, spec: str, tokens: int, n_devices: int) -> tuple
     """Compile one step's forward (`tokens` per batch shard, one new token per sequence at decode) on
     `spec` with abstract full-width parameters; return (bytes per device by kind, compile seconds)."""
     from dsv3_jax import plan
-    from dsv3_jax.model import Transformer
+    from dsv3_jax.model.transformer import Transformer
 
     mesh = sharding.make_mesh(spec, jax.devices()[:n_devices])
     shapes = plan.param_shapes(cfg, "bf16", include_mtp=False)

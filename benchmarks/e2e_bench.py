@@ -30,11 +30,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dsv3_jax import cache as kv_cache  # noqa: E402
-from dsv3_jax import kernels  # noqa: E402
-from dsv3_jax.cache import PageMeta  # noqa: E402
 from dsv3_jax.config import ModelConfig  # noqa: E402
-from dsv3_jax.model import Transformer  # noqa: E402
+from dsv3_jax.model import kernel_dispatch as kernels  # noqa: E402
+from dsv3_jax.model import kv_cache  # noqa: E402
+from dsv3_jax.model.kv_cache import PageMeta  # noqa: E402
+from dsv3_jax.model.transformer import Transformer  # noqa: E402
 
 
 def slice_config(n_moe: int, tiny: bool) -> ModelConfig:
@@ -244,7 +244,7 @@ def check_paths(model, params, cfg) -> dict[str, float]:
 def mtp_bench(compact: Path, corpus: Path, reps_tokens: int) -> list[dict]:
     from dsv3_jax import train
     from dsv3_jax.api import ModelHandle
-    from dsv3_jax.engine import Engine, EngineConfig
+    from dsv3_jax.engine.core import Engine, EngineConfig
 
     cfg = train.preset("small-mtp").replace(dtype="bfloat16")
     params = jax.tree_util.tree_map(jnp.asarray, train.import_compact(compact))

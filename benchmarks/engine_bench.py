@@ -34,11 +34,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import e2e_bench  # noqa: E402
 
-from dsv3_jax import cache as kv_cache  # noqa: E402
-from dsv3_jax import kernels  # noqa: E402
 from dsv3_jax.api import ModelHandle  # noqa: E402
-from dsv3_jax.cache import PageMeta  # noqa: E402
-from dsv3_jax.engine import Engine, EngineConfig  # noqa: E402
+from dsv3_jax.engine.core import Engine, EngineConfig  # noqa: E402
+from dsv3_jax.model import kernel_dispatch as kernels  # noqa: E402
+from dsv3_jax.model import kv_cache  # noqa: E402
+from dsv3_jax.model.kv_cache import PageMeta  # noqa: E402
 
 # Before this work (issue 13, same slice and device, 2026-12-03): quoted, not re-measured here.
 BEFORE = {"bare_b1_ms": 4.20, "bare_b1_floor_ms": 1.14, "engine_1req_itl_ms": 7.01, "engine_1req_tok_s": 121,

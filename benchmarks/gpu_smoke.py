@@ -192,9 +192,9 @@ def slice_parts(run: Run, z: dict, tiny: bool, warmup_only: bool = False) -> Non
     import e2e_bench
     import engine_bench
 
-    from dsv3_jax import cache as kv_cache
     from dsv3_jax.api import ModelHandle
-    from dsv3_jax.engine import Engine, EngineConfig
+    from dsv3_jax.engine.core import Engine, EngineConfig
+    from dsv3_jax.model import kv_cache
 
     t0 = time.perf_counter()
     cfg = e2e_bench.slice_config(z["moe_layers"], tiny)

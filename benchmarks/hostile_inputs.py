@@ -45,7 +45,7 @@ CFG = ModelConfig.preset("tiny").replace(vocab_size=512)
 INDEX = "model.safetensors.index.json"
 # Every library error is a ValueError subclass, files give OSError, a request the engine stopped on
 # device (non-finite logits) gives decode.GenerationError.
-from dsv3_jax.decode import GenerationError  # noqa: E402
+from dsv3_jax.request_stream import GenerationError  # noqa: E402
 
 EXPECTED = (ValueError, OSError, GenerationError)
 
@@ -375,7 +375,7 @@ def converter_cases(w: dict, tmp: Path) -> list[Case]:
 
 def loader_cases(w: dict, tmp: Path) -> list[Case]:
     import dsv3_jax
-    from dsv3_jax.tokenizer import Tokenizer
+    from dsv3_jax.text.tokenizer import Tokenizer
 
     ckpt, src = w["ckpt"], w["src"]
     cases: list[Case] = []
@@ -615,9 +615,9 @@ def planner_cases(w: dict, tmp: Path) -> list[Case]:
 
 
 def api_cases(w: dict, tmp: Path) -> list[Case]:
-    from dsv3_jax.chat import encode_chat
-    from dsv3_jax.sampling import SamplingParams, validate_sampling_params
-    from dsv3_jax.tokenizer import Tokenizer
+    from dsv3_jax.engine.sampling import SamplingParams, validate_sampling_params
+    from dsv3_jax.text.chat import encode_chat
+    from dsv3_jax.text.tokenizer import Tokenizer
 
     tok = Tokenizer.default()
     cases: list[Case] = []

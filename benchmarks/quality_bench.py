@@ -29,12 +29,12 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import dsv3_jax  # noqa: E402
-from dsv3_jax import cache as kv_cache  # noqa: E402
-from dsv3_jax import kernels  # noqa: E402
 from dsv3_jax.api import ModelHandle  # noqa: E402
-from dsv3_jax.cache import PageMeta  # noqa: E402
 from dsv3_jax.config import YarnScaling  # noqa: E402
-from dsv3_jax.quantize import quantize_params  # noqa: E402
+from dsv3_jax.formats.quantize import quantize_params  # noqa: E402
+from dsv3_jax.model import kernel_dispatch as kernels  # noqa: E402
+from dsv3_jax.model import kv_cache  # noqa: E402
+from dsv3_jax.model.kv_cache import PageMeta  # noqa: E402
 
 TRAIN_LEN = 512  # the default model's training windows (= its YaRN original context)
 
@@ -127,7 +127,7 @@ def sec_kernels(h: ModelHandle, held: np.ndarray, n: int, batch: int, backends: 
 
 
 def _engine_run(handle, prompts, new_tokens: int, spec_k: int) -> dict:
-    from dsv3_jax.engine import Engine, EngineConfig
+    from dsv3_jax.engine.core import Engine, EngineConfig
 
     b = len(prompts)
     pages = b * kv_cache.pages_for(len(prompts[0]) + new_tokens + spec_k + 1)

@@ -170,7 +170,7 @@ def main() -> int:
     rates = [float(x) for x in args.rates.split(",")]
 
     from dsv3_jax import api
-    from dsv3_jax.engine import Engine
+    from dsv3_jax.engine.core import Engine
     from dsv3_jax.serve.__main__ import _parser, engine_config
 
     with socket.socket() as s:

@@ -47,11 +47,11 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_INVALID
     # Imported here so `--help` is instant (this pulls in jax through dsv3_jax).
     from convert.converter import ConvertError, convert
-    from convert.safetensors_io import SafetensorsError
     from convert.validate import ValidationError
     from dsv3_jax.cli import UsageError, parse_dtype, report_error
     from dsv3_jax.config import ConfigError
-    from dsv3_jax.paths import PathContainmentError
+    from dsv3_jax.formats.paths import PathContainmentError
+    from dsv3_jax.formats.safetensors_io import SafetensorsError
 
     try:
         dtype = parse_dtype(args.dtype, ("auto", "bf16", "fp8"))

@@ -33,13 +33,13 @@ import ml_dtypes
 import numpy as np
 import psutil
 
-from convert import fp8_blocks, hf_names, orbax_io
-from convert.orbax_io import ChunkPolicy, LeafPath
-from convert.safetensors_io import DTYPES, SafetensorsError, TensorInfo, read_tensor
 from convert.validate import Source, inspect_source
-from dsv3_jax.checkpoint import COMPLETE_MARKER
 from dsv3_jax.config import ModelConfig
-from dsv3_jax.paths import PathContainmentError, regular_file_inside
+from dsv3_jax.formats import fp8_blocks, hf_names, orbax_io
+from dsv3_jax.formats.checkpoint import COMPLETE_MARKER
+from dsv3_jax.formats.orbax_io import ChunkPolicy, LeafPath
+from dsv3_jax.formats.paths import PathContainmentError, regular_file_inside
+from dsv3_jax.formats.safetensors_io import DTYPES, SafetensorsError, TensorInfo, read_tensor
 
 CONVERTER_VERSION = "1.0"
 MANIFEST_FORMAT = "dsv3-jax-converted/1"

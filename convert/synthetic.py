@@ -15,9 +15,9 @@ from pathlib import Path
 
 import numpy as np
 
-from convert.hf_names import expected_hf_tensors
-from convert.safetensors_io import DTYPES
 from dsv3_jax.config import ModelConfig, QuantConfig
+from dsv3_jax.formats.hf_names import expected_hf_tensors
+from dsv3_jax.formats.safetensors_io import DTYPES
 
 
 def _random_bytes(rng: np.random.Generator, dtype: str, n: int) -> bytes:

@@ -15,10 +15,17 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from convert import hf_names
-from convert.safetensors_io import INDEX, SINGLE, SafetensorsError, TensorInfo, read_header, shard_files
 from dsv3_jax.config import ConfigError, ModelConfig, read_json_object
-from dsv3_jax.paths import PathContainmentError, contained
+from dsv3_jax.formats import hf_names
+from dsv3_jax.formats.paths import PathContainmentError, contained
+from dsv3_jax.formats.safetensors_io import (
+    INDEX,
+    SINGLE,
+    SafetensorsError,
+    TensorInfo,
+    read_header,
+    shard_files,
+)
 
 
 class ValidationError(ValueError):

@@ -18,15 +18,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsv3_jax import checkpoint, decode, sharding
-from dsv3_jax.attention import ATTENTION_FORMS
+from dsv3_jax import request_stream as decode
 from dsv3_jax.cli import check_mesh, compute_dtype_name
 from dsv3_jax.config import ModelConfig
-from dsv3_jax.decode import GenerationResult
-from dsv3_jax.engine import enable_compilation_cache
-from dsv3_jax.model import Transformer
-from dsv3_jax.sampling import load_generation_defaults
-from dsv3_jax.tokenizer import Tokenizer
+from dsv3_jax.engine.core import enable_compilation_cache
+from dsv3_jax.engine.sampling import load_generation_defaults
+from dsv3_jax.formats import checkpoint
+from dsv3_jax.model.attention import ATTENTION_FORMS
+from dsv3_jax.model.transformer import Transformer
+from dsv3_jax.parallel import sharding
+from dsv3_jax.request_stream import GenerationResult
+from dsv3_jax.text.tokenizer import Tokenizer
 
 
 @dataclasses.dataclass
@@ -138,7 +140,7 @@ class ModelHandle:
 
     def chat(self, messages: Sequence[dict], *, thinking: bool = False, **kwargs):
         """Render the chat template (with the thinking switch) and generate the assistant's reply."""
-        from dsv3_jax.chat import encode_chat
+        from dsv3_jax.text.chat import encode_chat
 
         if self.tokenizer is None or self.tokenizer.chat_template is None:
             raise ValueError("this checkpoint has no tokenizer chat template")
@@ -166,19 +168,19 @@ class ModelHandle:
 
     def router_stats(self, prompt: str | Sequence[int]):
         """Per-MoE-layer router choices and expert-load histogram for one prompt (inspect.RouterStats)."""
-        from dsv3_jax import inspect
+        from dsv3_jax.model import probes as inspect
 
         return inspect.router_stats(self, prompt)
 
     def attention_entropy(self, prompt: str | Sequence[int]):
         """Attention entropy per layer, head and query for one prompt (inspect.AttentionEntropy)."""
-        from dsv3_jax import inspect
+        from dsv3_jax.model import probes as inspect
 
         return inspect.attention_entropy(self, prompt)
 
     def cache_pages(self, prompt: str | Sequence[int], *, page_size: int | None = None):
         """The paged KV cache of one prompt after prefill, its own pages only (inspect.CachePages)."""
-        from dsv3_jax import inspect
+        from dsv3_jax.model import probes as inspect
 
         return inspect.cache_pages(self, prompt, **({} if page_size is None else {"page_size": page_size}))
 

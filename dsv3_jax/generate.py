@@ -47,7 +47,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-warmup", action="store_true",
                    help="compile step programs on first use instead of all before the first token")
     p.add_argument("--json", action="store_true", help="print machine-readable results (JSON lines)")
-    from dsv3_jax import parallel_cli
+    from dsv3_jax.parallel import flags as parallel_cli
 
     parallel_cli.add_flags(p)  # --tp/--dp/--ep, capacity, multi-process
     return p
@@ -57,7 +57,7 @@ def _load(args: argparse.Namespace):
     from dsv3_jax import api
 
     if args.ckpt is None:
-        from dsv3_jax.distributed import main_print
+        from dsv3_jax.parallel.distributed import main_print
 
         main_print("[dsv3_jax] no --ckpt: the embedded default model, a small DeepSeek-V3 (MLA at the real "
                    "widths, MoE, MTP, YaRN; 19M parameters) trained for 5 minutes on the Python standard "
@@ -74,9 +74,9 @@ def _load(args: argparse.Namespace):
 
 def _check_flags(args: argparse.Namespace) -> None:
     """Every flag checked before anything is loaded; normalizes --dtype and --mesh in place."""
-    from dsv3_jax import sharding
     from dsv3_jax.cli import check_mesh, compute_dtype_name
-    from dsv3_jax.sampling import validate_sampling_params
+    from dsv3_jax.engine.sampling import validate_sampling_params
+    from dsv3_jax.parallel import sharding
 
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
@@ -90,7 +90,7 @@ def _check_flags(args: argparse.Namespace) -> None:
     if args.mesh is not None:
         args.mesh = check_mesh(args.mesh)
         sharding.parse_mesh_spec(args.mesh)  # names the bad axis or size now, not after loading
-    from dsv3_jax import parallel_cli
+    from dsv3_jax.parallel import flags as parallel_cli
 
     parallel_cli.check(args)
     if any(not s for s in args.stop):
@@ -145,7 +145,7 @@ def read_input_file(path: Path) -> list[Any]:
 
 
 def _to_ids(handle, item: Any, args: argparse.Namespace) -> list[int]:
-    from dsv3_jax.chat import encode_chat
+    from dsv3_jax.text.chat import encode_chat
 
     if isinstance(item, list) or args.chat:
         msgs = item if isinstance(item, list) else [{"role": "user", "content": item}]
@@ -156,7 +156,7 @@ def _to_ids(handle, item: Any, args: argparse.Namespace) -> list[int]:
 
 
 def _gen_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    from dsv3_jax.parallel_cli import warmup_printer
+    from dsv3_jax.parallel.flags import warmup_printer
 
     # Progress lines on a terminal only: piped stderr keeps the one-line error contract (the warmup runs).
     progress = None if args.no_warmup else (warmup_printer("dsv3_jax.generate") if sys.stderr.isatty()
@@ -201,7 +201,7 @@ def _run_batch(handle, args: argparse.Namespace) -> None:
 
 
 def _run_interactive(handle, args: argparse.Namespace) -> None:
-    from dsv3_jax.chat import encode_chat
+    from dsv3_jax.text.chat import encode_chat
 
     history: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
     print("interactive chat: empty line or Ctrl-D quits, /reset clears the history", file=sys.stderr)
@@ -228,18 +228,19 @@ def main(argv: list[str] | None = None) -> int:
     import jinja2
 
     from dsv3_jax.cli import report_error
-    from dsv3_jax.decode import GenerationError
-    from dsv3_jax.distributed import DistributedError
+    from dsv3_jax.parallel.distributed import DistributedError
+    from dsv3_jax.request_stream import GenerationError
 
     args = _parser().parse_args(argv)
     try:
         _check_flags(args)
         if args.input_file is not None:
             n = len(_read_inputs(args))  # read (and refused) before the model is loaded
-            from dsv3_jax.sampling import validate_sampling_params
+            from dsv3_jax.engine.sampling import validate_sampling_params
 
             validate_sampling_params(1.0, 1.0, 0, seed=args.seed + n - 1)  # prompt i samples with seed + i
-        from dsv3_jax import lockstep, parallel_cli
+        from dsv3_jax.parallel import flags as parallel_cli
+        from dsv3_jax.parallel import lockstep
 
         parallel_cli.start(args)  # jax.distributed when several processes run this command
         handle = _load(args)
@@ -247,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
             lockstep.follow(handle)
             return 0
         handle.engine_defaults = parallel_cli.engine_defaults(handle, args, spec_k=args.mtp)
-        from dsv3_jax.engine import enable_compilation_cache
+        from dsv3_jax.engine.core import enable_compilation_cache
 
         where = enable_compilation_cache()
         print(f"[dsv3_jax] compilation cache: {where or 'off'} (set DSV3_JAX_CACHE_DIR to move it, 'off' "
@@ -271,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         _stop_followers("interrupted")
         return 130
-    from dsv3_jax import lockstep
+    from dsv3_jax.parallel import lockstep
 
     lockstep.finish()
     return 0
@@ -279,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _stop_followers(error: object) -> None:
     """Multi-process: end the other processes with process 0's error (a no-op otherwise)."""
-    from dsv3_jax import lockstep
+    from dsv3_jax.parallel import lockstep
 
     lockstep.fail(str(error))
 

@@ -51,7 +51,8 @@ def _device_limit(name: str) -> int | None:
 
 def summary_rows(handle: Any) -> list[tuple[str, str]]:
     """(field, value) rows describing the handle; the repr and the HTML table both render these."""
-    from dsv3_jax import kernels, sharding
+    from dsv3_jax.model import kernel_dispatch as kernels
+    from dsv3_jax.parallel import sharding
 
     c = handle.config
     dtype = (f"FP8 e4m3 weights (128x128 block scales), {c.dtype} activations" if handle.fp8

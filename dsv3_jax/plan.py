@@ -29,8 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsv3_jax import sharding
 from dsv3_jax.config import ModelConfig
+from dsv3_jax.parallel import sharding
 
 DTYPES = ("bf16", "fp8", "fp32")
 DEFAULT_RESERVE_FRACTION = 0.10  # activations, logits, XLA workspace and fragmentation
@@ -74,7 +74,7 @@ def load_config(name_or_path: str | Path) -> ModelConfig:
 @functools.lru_cache(maxsize=8)
 def param_shapes(cfg: ModelConfig, dtype: str = "bf16", include_mtp: bool = True) -> Any:
     """The parameter tree as ShapeDtypeStructs (abstract init: no memory, ~3 s for the 671B model)."""
-    from dsv3_jax.model import Transformer
+    from dsv3_jax.model.transformer import Transformer
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
@@ -336,7 +336,7 @@ def pool_plan(cfg: ModelConfig, mesh: str | Mapping[str, int] | Any, *, dtype: s
     each batch shard's devices hold only that shard's slice). Raises PlanError, with the numbers, when
     not even one `max_model_len`-token request fits a shard's slice.
     """
-    from dsv3_jax import cache as kv_cache
+    from dsv3_jax.model import kv_cache
 
     if not 0 < memory_fraction <= 1:
         raise ValueError(f"memory fraction must lie in (0, 1], got {memory_fraction!r}")

@@ -10,7 +10,7 @@ greedy k=1 acceptance), the compact vocabulary (`VocabMap`: rare and unseen toke
 full-vocabulary model is exactly the compact one expanded), moving trained weights around
 (`export_compact` / `import_compact`, the shipped default's storage form) and `save_checkpoint` (an
 HF directory `dsv3_jax.load` reads). CLI: `python -m dsv3_jax.train --preset dsv3-small ...`.
-Must not own the model math (model.py) or the HF name mapping (convert/hf_names.py, tree_to_hf.py).
+Must not own the model math (model.py) or the HF name mapping (dsv3_jax/formats/hf_names.py, tree_to_hf.py).
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from convert.safetensors_io import read_header, read_tensor, write_safetensors
-from convert.tree_to_hf import write_hf_weights
 from dsv3_jax.config import ModelConfig
-from dsv3_jax.model import Transformer
+from dsv3_jax.formats.safetensors_io import read_header, read_tensor, write_safetensors
+from dsv3_jax.formats.tree_to_hf import write_hf_weights
+from dsv3_jax.model.transformer import Transformer
 
 # Every mechanism of DeepSeek-V3 at a size one H200 trains in minutes: q LoRA, 1 dense + 4 MoE layers,
 # 4 groups of 4 routed experts (top-2 groups, 4 experts per token) + a shared expert, the MTP layer.
@@ -716,7 +716,7 @@ def ship_config(cfg: ModelConfig, train_len: int, yarn_factor: float) -> ModelCo
 
 
 def _load_tokenizer(required: bool):
-    from dsv3_jax.tokenizer import Tokenizer
+    from dsv3_jax.text.tokenizer import Tokenizer
 
     try:
         return Tokenizer.default()

@@ -90,7 +90,7 @@ default_text = r.text
 from convert.converter import convert
 from convert.synthetic import write_checkpoint
 from dsv3_jax.config import ModelConfig
-from dsv3_jax.tokenizer import Tokenizer
+from dsv3_jax.text.tokenizer import Tokenizer
 
 work = Path(tempfile.mkdtemp(prefix="dsv3_quickstart_"))
 hf_dir, ckpt_dir = work / "hf", work / "converted"
@@ -172,7 +172,7 @@ ROUTING = _cells(
     the speed when a token uses fewer or more experts (`n_activated_experts`)? Also: attention entropy per
     head and the paged KV cache of a sequence. All from a handle, without editing the library:
     `h.router_stats(prompt)`, `h.attention_entropy(prompt)`, `h.cache_pages(prompt)`
-    (implemented in `dsv3_jax/inspect.py`).
+    (implemented in `dsv3_jax/model/probes.py`).
 
     This runs on `tiny_default()`: the tiny preset (4 layers, 2 of them MoE with 16 experts in 4 groups,
     4 experts per token) with random weights, so routing is close to uniform and attention is nearly
@@ -307,7 +307,7 @@ MESHES = _cells(
     # 03 · Meshes and memory
 
     How the model is laid out on a device mesh (axes `data`, `tensor`, `expert`; the one table in
-    `dsv3_jax/sharding.py`), shown on 8 virtual CPU devices, and the memory planner
+    `dsv3_jax/parallel/sharding.py`), shown on 8 virtual CPU devices, and the memory planner
     (`dsv3_jax/plan.py`, CLI `python -m dsv3_jax.plan`) for the full 671B DeepSeek-V3 on H200s:
     which meshes fit, how much KV cache is left, and how many requests fit at each context length.
     """),
@@ -323,7 +323,8 @@ import jax
 import matplotlib.pyplot as plt
 import numpy as np
 
-from dsv3_jax import plan, sharding
+from dsv3_jax import plan
+from dsv3_jax.parallel import sharding
 from dsv3_jax.config import ModelConfig
 from dsv3_jax.notebook import Table
 
@@ -471,9 +472,10 @@ KERNELS = _cells(
     md("""
     # 04 · Kernels: reference vs Pallas
 
-    `dsv3_jax/kernels.py` is the one switch between the Pallas Mosaic GPU kernels (`pallas_kernels/`:
-    paged MLA decode/prefill, FP8 block-scaled GEMMs) and their plain-`jnp` references. `auto` picks Pallas
-    on a Hopper GPU; `kernels.force("reference" | "pallas")` overrides it for the code traced inside.
+    `dsv3_jax/model/kernel_dispatch.py` is the one switch between the Pallas Mosaic GPU kernels
+    (`pallas_kernels/`: paged MLA decode/prefill, FP8 block-scaled GEMMs) and their plain-`jnp`
+    references. `auto` picks Pallas on a Hopper GPU; `kernels.force("reference" | "pallas")` overrides
+    it for the code traced inside.
 
     On a GPU this notebook times both backends at DeepSeek-V3 shapes. Without one it times the references
     at small shapes and plots the H200 results recorded in `benchmarks/results/*.json`.
@@ -484,7 +486,7 @@ import jax.numpy as jnp
 import matplotlib.pyplot as plt
 import numpy as np
 
-from dsv3_jax import kernels
+from dsv3_jax.model import kernel_dispatch as kernels
 from dsv3_jax.notebook import Table
 from pallas_kernels import fp8_quant
 

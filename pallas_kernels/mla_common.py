@@ -1,7 +1,7 @@
 """What the MLA kernels (`mla_decode.py`, `mla_prefill.py`) and their reference (`mla_reference.py`) share.
 
 Owns: the cache widths (`LATENT_DIM` 512 + `ROPE_DIM` 64 = `KV_DIM` 576 values per token), the kernel's
-`PAGE_SIZE` (64 tokens; `dsv3_jax.cache.PAGE_SIZE` must equal it, a test ties the two since kernels
+`PAGE_SIZE` (64 tokens; `dsv3_jax.model.kv_cache.PAGE_SIZE` must equal it, a test ties the two since kernels
 import nothing from dsv3_jax), the argument checks (`as_4d`, `check_cache_args`, `kernel_shape_error`,
 `check_kernel_args`), `clamp_page_ids` (the rule for ids outside the pool) and `mask_padding_rows`, the
 rule for a chunk's padding rows. The reference keeps the semantics, the kernel modules the kernels; this

@@ -16,8 +16,8 @@ pairs visit only the pages at or below their last token, so causal skipping come
 rows are masked inside the split merge (`mla_decode.merge_splits`), not by a separate op.
 
 `mla_chunk_attention` takes the same arguments for kernel and reference (decode is a chunk of T = 1 at
-start_pos = length - 1) and owns the dtype handling around each, so callers (`dsv3_jax.kernels`, tests,
-benchmarks) only choose `use_kernel`.
+start_pos = length - 1) and owns the dtype handling around each, so callers
+(`dsv3_jax.model.kernel_dispatch`, tests, benchmarks) only choose `use_kernel`.
 """
 
 import functools

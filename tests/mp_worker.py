@@ -14,7 +14,7 @@ import numpy as np
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    from dsv3_jax import distributed
+    from dsv3_jax.parallel import distributed
 
     distributed.add_cli_flags(ap)
     ap.add_argument("--steps", type=int, default=6)

@@ -17,10 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsv3_jax import cache as kv_cache
-from dsv3_jax.cache import PageMeta, layer_view
 from dsv3_jax.config import ModelConfig
-from dsv3_jax.model import Transformer
+from dsv3_jax.model import kv_cache
+from dsv3_jax.model.kv_cache import PageMeta, layer_view
+from dsv3_jax.model.transformer import Transformer
 
 
 @pytest.mark.parametrize("form", ["absorbed", "naive"])

@@ -91,7 +91,7 @@ def test_n_activated_experts_override_is_validated():
 
 
 def test_checkpoint_tensor_count_matches_the_seeds():
-    from convert.hf_names import expected_hf_tensors
+    from dsv3_jax.formats.hf_names import expected_hf_tensors
 
     names = expected_hf_tensors(ModelConfig.preset("deepseek-v3"))
     assert len(names) == 46_183

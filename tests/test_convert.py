@@ -22,16 +22,15 @@ import numpy as np
 import pytest
 
 import dsv3_jax
-from convert import fp8_blocks, orbax_io
 from convert.converter import JOURNAL, TEST_DELAY_ENV, convert, make_units, plan_leaves
-from convert.hf_names import expected_hf_tensors, hf_target
-from convert.orbax_io import ChunkPolicy
-from convert.safetensors_io import read_header, read_tensor, write_safetensors
 from convert.synthetic import write_checkpoint
 from convert.validate import ValidationError, inspect_source
-from dsv3_jax import checkpoint
-from dsv3_jax.checkpoint import COMPLETE_MARKER, CheckpointError
 from dsv3_jax.config import ModelConfig
+from dsv3_jax.formats import checkpoint, fp8_blocks, orbax_io
+from dsv3_jax.formats.checkpoint import COMPLETE_MARKER, CheckpointError
+from dsv3_jax.formats.hf_names import expected_hf_tensors, hf_target
+from dsv3_jax.formats.orbax_io import ChunkPolicy
+from dsv3_jax.formats.safetensors_io import read_header, read_tensor, write_safetensors
 from tests.hf_reference import HF_CONFIGS, hf_logits, make_hf_model, rel_err, save_hf
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -208,8 +207,8 @@ def dequantized_forward(handle, tokens) -> np.ndarray:
     exact function the e4m3 + scales encode, without the FP8 path's per-token activation quantization."""
     import jax
 
-    from dsv3_jax import kernels
     from dsv3_jax.api import ModelHandle
+    from dsv3_jax.model import kernel_dispatch as kernels
 
     def walk(node):
         out = {}
@@ -382,7 +381,7 @@ def test_chunk_files_copy_rows_from_a_file(tmp_path, monkeypatch, caplog, sendfi
         monkeypatch.setattr(os, "sendfile", broken)
     orbax_io.open_leaf(tmp_path, ("w",), shape, full.dtype, chunks)
     files = orbax_io.ChunkFiles(tmp_path, ("w",), shape, full.dtype, chunks)
-    with caplog.at_level("WARNING", logger="convert.orbax_io"):
+    with caplog.at_level("WARNING", logger="dsv3_jax.formats.orbax_io"):
         for layer in range(2):
             files.copy_rows((layer, 0, 0), src, 7 + layer * full[0].nbytes, 300)
     assert np.array_equal(orbax_io.read_leaf(tmp_path, ("w",)).view(np.uint8), full.view(np.uint8))

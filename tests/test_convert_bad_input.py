@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from convert.__main__ import main
-from convert.safetensors_io import read_header, read_tensor, write_safetensors
+from dsv3_jax.formats.safetensors_io import read_header, read_tensor, write_safetensors
 from tests.hf_reference import make_hf_model, save_hf
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -16,8 +16,8 @@ import dsv3_jax
 from dsv3_jax import api
 from dsv3_jax import train as T
 from dsv3_jax.api import ModelHandle
-from dsv3_jax.quantize import quantize_params
-from dsv3_jax.tokenizer import Tokenizer
+from dsv3_jax.formats.quantize import quantize_params
+from dsv3_jax.text.tokenizer import Tokenizer
 
 # Measured 2026-12-03 on these windows (CPU, fp32 compute): perplexity 13.56, FP8 +0.69%. The whole
 # held-out split scores 9.5 (benchmarks/RESULTS.md); 128-512-token regions of it range from ~8 to ~30

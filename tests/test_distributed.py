@@ -1,6 +1,6 @@
-"""jax.distributed start-up and lockstep (dsv3_jax/distributed.py): flags and launcher detection, the step
-channel between two local CPU processes, and a dead process ending its peer with a clear error in bounded
-time (never a hang)."""
+"""jax.distributed start-up and lockstep (dsv3_jax/parallel/distributed.py): flags and launcher detection,
+the step channel between two local CPU processes, and a dead process ending its peer with a clear error in
+bounded time (never a hang)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dsv3_jax import distributed
+from dsv3_jax.parallel import distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 

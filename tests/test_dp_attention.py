@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsv3_jax import dp_attention, sharding
-from dsv3_jax.cache import PageMeta
-from dsv3_jax.paging import PagePool
+from dsv3_jax.engine.paging import PagePool
+from dsv3_jax.model.kv_cache import PageMeta
+from dsv3_jax.parallel import dp_attention, sharding
 
 PS, LAT, H = 4, 8, 4
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import dsv3_jax
-from dsv3_jax import sharding
-from dsv3_jax.engine import Engine, EngineConfig
+from dsv3_jax.engine.core import Engine, EngineConfig
+from dsv3_jax.parallel import sharding
 from tests.hf_reference import make_hf_model, save_hf
 from tests.mesh_models import MESH_CONFIGS  # noqa: F401  (registers h8e16)
 
@@ -72,7 +72,7 @@ def test_dp_engine_matches_one_device_and_keeps_pages_local(ckpt):
     # KV ([..., page_size, latent] arrays), as they do when the partitioner is left to place attention
     # (it all-gathers pool slices and all-reduces masked gathers of every token's pages).
     kv_tail = f",{PS},{handle.config.latent_dim}]"
-    from dsv3_jax.engine import _compiled_for
+    from dsv3_jax.engine.core import _compiled_for
 
     for compiled in _compiled_for(handle).values():
         hlo = compiled.as_text()

@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 
 from dsv3_jax.api import ModelHandle
 from dsv3_jax.config import ModelConfig
-from dsv3_jax.engine import Engine, EngineConfig
-from dsv3_jax.model import Transformer
-from dsv3_jax.paging import OutOfPages, PagePool
+from dsv3_jax.engine.core import Engine, EngineConfig
+from dsv3_jax.engine.paging import OutOfPages, PagePool
+from dsv3_jax.model.transformer import Transformer
 
 CFG = ModelConfig.preset("tiny").replace(vocab_size=256, max_position_embeddings=512)
 

@@ -13,15 +13,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsv3_jax import cache as kv_cache
-from dsv3_jax import step
 from dsv3_jax.api import ModelHandle
-from dsv3_jax.attention import MLA
-from dsv3_jax.cache import PageMeta
 from dsv3_jax.config import ModelConfig
-from dsv3_jax.decode import GenerationError
-from dsv3_jax.engine import Engine, EngineConfig
-from dsv3_jax.model import Transformer
+from dsv3_jax.engine import step
+from dsv3_jax.engine.core import Engine, EngineConfig
+from dsv3_jax.model import kv_cache
+from dsv3_jax.model.attention import MLA
+from dsv3_jax.model.kv_cache import PageMeta
+from dsv3_jax.model.transformer import Transformer
+from dsv3_jax.request_stream import GenerationError
 
 CFG = ModelConfig.preset("tiny").replace(vocab_size=256, max_position_embeddings=512,
                                          num_nextn_predict_layers=0)
@@ -295,7 +295,7 @@ def test_a_new_process_loads_warmed_programs_from_the_store(params, tmp_path, re
     assert second.stats["compiles"] == 0 and second.stats["programs_loaded"] == 3 and out2 == out1
     victim = sorted((tmp_path / "programs").glob("*.bin"))[0]
     victim.write_bytes(b"not a program")
-    with caplog.at_level("WARNING", logger="dsv3_jax.program_cache"):
+    with caplog.at_level("WARNING", logger="dsv3_jax.engine.program_cache"):
         third, out3 = engine()
     assert third.stats["compiles"] == 1 and third.stats["programs_loaded"] == 2 and out3 == out1
     assert "did not load" in caplog.text and victim.read_bytes() != b"not a program"  # rewritten

@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv3_jax.config import ModelConfig
-from dsv3_jax.model import Transformer
-from dsv3_jax.quantize import float_twin, quantize_params
+from dsv3_jax.formats.quantize import float_twin, quantize_params
+from dsv3_jax.model.transformer import Transformer
 
 CFG = ModelConfig.preset("tiny").replace(vocab_size=1000, hidden_size=256, intermediate_size=384,
                                          moe_intermediate_size=160, q_lora_rank=192, kv_lora_rank=160)

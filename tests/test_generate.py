@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import dsv3_jax
-from dsv3_jax.tokenizer import Tokenizer
+from dsv3_jax.text.tokenizer import Tokenizer
 from tests.hf_reference import HF_CONFIGS, make_hf_model, save_hf
 
 N_NEW = 32

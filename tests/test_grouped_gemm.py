@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import pallas_kernels
-from dsv3_jax import kernels
+from dsv3_jax.model import kernel_dispatch as kernels
 from pallas_kernels.group_tiles import tile_counts, tile_metadata
 from pallas_kernels.grouped_gemm import (
     DECODE_CONFIG,
@@ -200,7 +200,7 @@ def test_dispatch_runs_the_kernel_for_bf16_and_never_ragged_dot(caplog):
         _assert_close(out.astype(jnp.float32), want, rtol=1e-2)
     # fp32 compute has no kernel: the reference runs, and says so (once per dtype).
     kernels._log_grouped_dtype_fallback.cache_clear()
-    with caplog.at_level(logging.WARNING, logger="dsv3_jax.kernels"), kernels.force("pallas"):
+    with caplog.at_level(logging.WARNING, logger="dsv3_jax.model.kernel_dispatch"), kernels.force("pallas"):
         xf = x.astype(jnp.float32)
         jaxpr = str(jax.make_jaxpr(lambda *a: kernels.grouped_matmul(*a))(xf, w, gs))
         out = kernels.grouped_matmul(xf, w, gs)

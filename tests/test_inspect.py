@@ -1,4 +1,4 @@
-"""The handle's text/HTML repr (dsv3_jax/notebook.py) and the research hooks (dsv3_jax/inspect.py),
+"""The handle's text/HTML repr (dsv3_jax/notebook.py) and the research hooks (dsv3_jax/model/probes.py),
 checked against independent computations on the tiny default model."""
 
 from __future__ import annotations
@@ -10,11 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsv3_jax import cache as kv_cache
-from dsv3_jax import plan, sharding
+from dsv3_jax import plan
 from dsv3_jax.api import tiny_default
-from dsv3_jax.moe import route
+from dsv3_jax.model import kv_cache
+from dsv3_jax.model.moe import route
 from dsv3_jax.notebook import Table, memory_per_device
+from dsv3_jax.parallel import sharding
 
 PROMPT = "Routers pick experts; attention picks tokens."
 

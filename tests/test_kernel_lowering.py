@@ -126,9 +126,9 @@ def _abstract(x):
 
 @contextlib.contextmanager
 def _recording(calls: set):
-    """Replace the kernel entry points `dsv3_jax.kernels` calls with recorders that note (entry, abstract
-    operands, static arguments) and return zeros of the kernel's result shape (tracing the interpreter's
-    kernels would only cost time)."""
+    """Replace the kernel entry points `dsv3_jax.model.kernel_dispatch` calls with recorders that note
+    (entry, abstract operands, static arguments) and return zeros of the kernel's result shape (tracing the
+    interpreter's kernels would only cost time)."""
     import importlib
     from unittest import mock
 
@@ -174,7 +174,7 @@ def _recording(calls: set):
 
 @functools.cache
 def _model(name: str):
-    from dsv3_jax.model import Transformer
+    from dsv3_jax.model.transformer import Transformer
 
     cfg, fp8 = _model_config(name)
     model = Transformer(cfg, jnp.bfloat16, fp8=fp8)
@@ -187,8 +187,8 @@ def model_kernel_calls(name: str, tokens: list[int], decode: bool = True) -> set
     """The distinct kernel calls of model `name` ("default" or "fp8_slice") over a [1, T] prompt (prefill)
     and, with `decode`, a [T, 1] ragged batch (one decode token per row), for each T in `tokens`, with a
     paged cache."""
-    from dsv3_jax import cache as cache_lib
-    from dsv3_jax import kernels
+    from dsv3_jax.model import kernel_dispatch as kernels
+    from dsv3_jax.model import kv_cache as cache_lib
 
     cfg, model, params = _model(name)
     pool = jax.eval_shape(lambda: cache_lib.allocate(cfg, _TABLE_PAGES + 1))

@@ -369,12 +369,12 @@ def test_two_pass_merge_equals_the_one_reduce_merge():
 
 
 def test_chunk_adaptor_and_model_dispatch_route_to_kernel_and_reference(caplog):
-    """`mla_chunk_attention` gives kernel and reference the same arguments; `dsv3_jax.kernels.mla_attention`
-    routes through it (forced "pallas" runs the kernel here in the interpreter) and still falls back to the
-    reference, logged, for shapes the kernel cannot take."""
+    """`mla_chunk_attention` gives kernel and reference the same arguments;
+    `dsv3_jax.model.kernel_dispatch.mla_attention` routes through it (forced "pallas" runs the kernel here in
+    the interpreter) and still falls back to the reference, logged, for shapes the kernel cannot take."""
     import logging
 
-    from dsv3_jax import kernels
+    from dsv3_jax.model import kernel_dispatch as kernels
 
     rng = np.random.default_rng(13)
     kv, table = _make_cache(rng, [40, 90], poison_unused=False)
@@ -390,7 +390,7 @@ def test_chunk_adaptor_and_model_dispatch_route_to_kernel_and_reference(caplog):
     np.testing.assert_array_equal(np.asarray(out_m, np.float32), np.asarray(out_k, np.float32))
     small = (ql[..., :32], qr[..., :8], kv[..., :40], table, sp, cl)  # a tiny model's widths
     kernels._log_mla_shape_fallback.cache_clear()
-    with caplog.at_level(logging.WARNING, logger="dsv3_jax.kernels"), kernels.force("pallas"):
+    with caplog.at_level(logging.WARNING, logger="dsv3_jax.model.kernel_dispatch"), kernels.force("pallas"):
         out_s, _ = kernels.mla_attention(*small, softmax_scale=SCALE)
     assert "MLA kernel needs" in caplog.text
     ref_s, _ = mla_chunk_attention(*small, softmax_scale=SCALE, use_kernel=False)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dsv3_jax.paging import OutOfPages, PagePool
+from dsv3_jax.engine.paging import OutOfPages, PagePool
 
 
 def test_one_shard_is_the_plain_pool():

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import dsv3_jax
-from dsv3_jax import cache as kv_cache
+from dsv3_jax.model import kv_cache
 from tests.hf_reference import hf_logits, make_hf_model, rel_err, save_hf
 
 TOL = 1e-4

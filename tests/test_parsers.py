@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from dsv3_jax.decode import StopMatcher
+from dsv3_jax.request_stream import StopMatcher
 from dsv3_jax.serve.parsers import (
     CALL_BEGIN,
     CALL_END,

@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 
 import dsv3_jax
-from dsv3_jax import cache as kv_cache
-from dsv3_jax import plan, sharding
+from dsv3_jax import plan
 from dsv3_jax.config import ModelConfig
-from dsv3_jax.model import Transformer
+from dsv3_jax.model import kv_cache
+from dsv3_jax.model.transformer import Transformer
+from dsv3_jax.parallel import sharding
 from tests.hf_reference import make_hf_model, save_hf
 from tests.mesh_models import MESH_CONFIGS
 

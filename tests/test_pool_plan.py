@@ -8,9 +8,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from dsv3_jax import cache as kv_cache
-from dsv3_jax import plan, sharding
+from dsv3_jax import plan
 from dsv3_jax.config import ModelConfig
+from dsv3_jax.model import kv_cache
+from dsv3_jax.parallel import sharding
 from tests.mesh_models import MESH_CONFIGS  # noqa: F401  (the mesh-sized test configs)
 
 TINY = ModelConfig.preset("tiny")
@@ -85,8 +86,8 @@ def test_engine_pool_sized_by_the_plan(tmp_path):
     import argparse
 
     import dsv3_jax
-    from dsv3_jax import parallel_cli
-    from dsv3_jax.engine import Engine, EngineConfig
+    from dsv3_jax.engine.core import Engine, EngineConfig
+    from dsv3_jax.parallel import flags as parallel_cli
     from tests.hf_reference import make_hf_model, save_hf
 
     handle = dsv3_jax.load(save_hf(make_hf_model("h8e16"), tmp_path / "m"), mesh="data=2,tensor=2,expert=2")

@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 
 from convert.converter import convert
-from convert.safetensors_io import SafetensorsError, read_header
 from convert.synthetic import write_checkpoint
 from dsv3_jax.config import ConfigError, ModelConfig
+from dsv3_jax.formats.safetensors_io import SafetensorsError, read_header
 from tests.test_reliability_convert import tree_hashes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -310,7 +310,7 @@ def test_real_subprocess_exit_code_and_single_line(world, cli, argv, names):
 # ------------------------------------------------------------------------------------------ API cases
 def test_api_damaged_checkpoints_name_the_leaf_file_or_tensor(world):
     import dsv3_jax
-    from dsv3_jax.checkpoint import CheckpointError
+    from dsv3_jax.formats.checkpoint import CheckpointError
 
     for kind, (d, chunk) in world["damaged"].items():
         with pytest.raises(CheckpointError) as e:
@@ -379,8 +379,8 @@ def test_api_safetensors_offsets_follow_the_format(tmp_path):
 
 
 def test_api_chat_refuses_what_the_template_would_drop():
-    from dsv3_jax.chat import encode_chat
-    from dsv3_jax.tokenizer import Tokenizer
+    from dsv3_jax.text.chat import encode_chat
+    from dsv3_jax.text.tokenizer import Tokenizer
 
     tok = Tokenizer.default()
     ok = encode_chat(tok, [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}])
@@ -398,7 +398,7 @@ def test_api_chat_refuses_what_the_template_would_drop():
 
 
 def test_api_sampling_values_at_the_edges():
-    from dsv3_jax.sampling import SamplingParams, validate_sampling_params
+    from dsv3_jax.engine.sampling import SamplingParams, validate_sampling_params
 
     p = SamplingParams.make(np.int64(2), np.float32(0.5), np.float64(0.9), np.int32(3))  # numpy ints work
     assert p.batch_size == 2 and int(p.top_k[0]) == 3

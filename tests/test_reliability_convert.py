@@ -25,8 +25,8 @@ import pytest
 
 from convert.converter import JOURNAL, PLAN, TEST_DELAY_ENV
 from convert.synthetic import write_checkpoint
-from dsv3_jax.checkpoint import COMPLETE_MARKER
 from dsv3_jax.config import ModelConfig
+from dsv3_jax.formats.checkpoint import COMPLETE_MARKER
 from tests.reliability_child import run_converter
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -7,10 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsv3_jax import rope
 from dsv3_jax.config import ModelConfig
-from dsv3_jax.model import Transformer
-from dsv3_jax.moe import route
+from dsv3_jax.model import rope
+from dsv3_jax.model.moe import route
+from dsv3_jax.model.transformer import Transformer
 
 CFG = ModelConfig.preset("tiny").replace(vocab_size=97)  # 16 experts, 4 groups of 4, top-2 groups, k=4
 
@@ -94,7 +94,7 @@ def test_mtp_matches_numpy_formula():
     e = _np_rms(p["embed_tokens"]["embedding"][np.asarray(toks)], p["enorm"]["weight"], eps)
     h = _np_rms(np.asarray(hidden), p["hnorm"]["weight"], eps)
     x = np.concatenate([e, h], -1) @ p["eh_proj"]["weight"].T
-    from dsv3_jax.model import Block
+    from dsv3_jax.model.transformer import Block
 
     blk = Block(cfg, True)
     (y, _, _), _ = blk.apply({"params": params["mtp"]["block"]}, (jnp.asarray(x, jnp.float32), None, None),

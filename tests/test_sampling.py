@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from dsv3_jax.sampling import (
+from dsv3_jax.engine.sampling import (
     SamplingParams,
     load_generation_defaults,
     probs_after_filtering,

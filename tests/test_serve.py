@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 from dsv3_jax import api
-from dsv3_jax.chat import encode_chat
-from dsv3_jax.engine import Engine, EngineConfig
+from dsv3_jax.engine.core import Engine, EngineConfig
+from dsv3_jax.text.chat import encode_chat
 
 # The serving extras: the server runs on fastapi + uvicorn, this side talks to it with openai and httpx and
 # parses /metrics with prometheus_client. An image without them (the GPU machine's) skips this module.
@@ -297,7 +297,7 @@ def test_models_health_and_metrics(server, client):
 def _engine_has_logprobs() -> bool:
     import inspect
 
-    from dsv3_jax.engine import Engine
+    from dsv3_jax.engine.core import Engine
 
     return "logprobs" in inspect.signature(Engine.add_request).parameters
 

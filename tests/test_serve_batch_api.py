@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from dsv3_jax import api
-from dsv3_jax.decode import StopMatcher
+from dsv3_jax.request_stream import StopMatcher
 
 PROMPTS = [[5, 6, 7], [100, 200, 300, 400], [9, 8]]
 

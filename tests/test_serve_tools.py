@@ -14,12 +14,12 @@ import types
 
 import pytest
 
-from dsv3_jax import cache as kv_cache
-from dsv3_jax.engine import EngineConfig, StepEvent
-from dsv3_jax.paging import PagePool
+from dsv3_jax.engine.core import EngineConfig, StepEvent
+from dsv3_jax.engine.paging import PagePool
+from dsv3_jax.model import kv_cache
 from dsv3_jax.serve.parsers import CALL_BEGIN, CALL_END, CALL_SEP, CALLS_BEGIN, CALLS_END
 from dsv3_jax.serve.runner import EngineRunner
-from dsv3_jax.tokenizer import Tokenizer
+from dsv3_jax.text.tokenizer import Tokenizer
 
 # The serving extras: the app is fastapi (its TestClient drives it through httpx), /metrics is
 # prometheus_client, the client is openai. An image without them (the GPU machine's) skips this module.

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 import dsv3_jax
-from dsv3_jax import cache as kv_cache
-from dsv3_jax import moe, sharding
-from dsv3_jax.sharding import MeshError
+from dsv3_jax.model import kv_cache, moe
+from dsv3_jax.parallel import sharding
+from dsv3_jax.parallel.sharding import MeshError
 from tests.hf_reference import make_hf_model, rel_err, save_hf
 from tests.mesh_models import MESH_CONFIGS
 

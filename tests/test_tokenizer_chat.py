@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dsv3_jax.chat import apply_chat_template, encode_chat, render_chat
-from dsv3_jax.tokenizer import IncrementalDetokenizer, Tokenizer
+from dsv3_jax.text.chat import apply_chat_template, encode_chat, render_chat
+from dsv3_jax.text.tokenizer import IncrementalDetokenizer, Tokenizer
 
 TEXTS = [
     "Hello, world!",

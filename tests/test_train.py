@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 import dsv3_jax
-from convert import hf_names
-from convert.tree_to_hf import tree_to_hf
 from dsv3_jax import train as T
-from dsv3_jax.model import Transformer
+from dsv3_jax.formats import hf_names
+from dsv3_jax.formats.tree_to_hf import tree_to_hf
+from dsv3_jax.model.transformer import Transformer
 
 # 1 dense + 1 MoE layer + MTP: every mechanism, small compile.
 CFG = T.preset("tiny").replace(vocab_size=128, num_hidden_layers=2, first_k_dense_replace=1)
@@ -38,7 +38,7 @@ def _logits(cfg, params, toks):
 
 
 def test_corpus_from_stdlib_with_real_tokenizer():
-    from dsv3_jax.tokenizer import Tokenizer
+    from dsv3_jax.text.tokenizer import Tokenizer
 
     tok = Tokenizer.default()
     files = [f for f in T.stdlib_files() if f.stat().st_size < 6000][:40]
@@ -97,7 +97,7 @@ def test_tree_to_hf_is_the_inverse_of_hf_names():
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_save_load_round_trip_gives_identical_logits(tmp_path, dtype):
-    from dsv3_jax.tokenizer import Tokenizer
+    from dsv3_jax.text.tokenizer import Tokenizer
 
     cfg = CFG.replace(dtype=dtype)
     params = T.cast_for_compute(_random_params(cfg), jnp.dtype(dtype))

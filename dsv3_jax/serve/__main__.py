@@ -20,7 +20,7 @@ EXIT_BAD_INPUT = 2
 
 
 def _parser() -> argparse.ArgumentParser:
-    from dsv3_jax.engine import EngineConfig
+    from dsv3_jax.engine.core import EngineConfig
 
     d = EngineConfig()
     p = argparse.ArgumentParser(prog="python -m dsv3_jax.serve",
@@ -49,7 +49,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-warmup", action="store_true",
                    help="compile step programs on first use instead of all before the port opens")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    from dsv3_jax import parallel_cli
+    from dsv3_jax.parallel import flags as parallel_cli
 
     parallel_cli.add_flags(p, engine_sizing=False)  # --tp/--dp/--ep, --memory-fraction, multi-process
     return p
@@ -71,7 +71,7 @@ def _budget(cfg: Any) -> int:
 
 
 def engine_config(args: argparse.Namespace) -> Any:
-    from dsv3_jax.engine import EngineConfig
+    from dsv3_jax.engine.core import EngineConfig
 
     names = {f.name for f in dataclasses.fields(EngineConfig)}
     budget = "max_batched_tokens" if "max_batched_tokens" in names else "token_budget"
@@ -118,7 +118,7 @@ def build(args: argparse.Namespace, handle: Any = None):
 def warm(runner: Any) -> None:
     """Compile every step program the engine can use (`Engine.warmup()`, both modes: requests may be
     greedy or sampled) before the port opens, with a progress line per program."""
-    from dsv3_jax.parallel_cli import warmup_printer
+    from dsv3_jax.parallel.flags import warmup_printer
 
     runner.engine.warmup(progress=warmup_printer("dsv3_jax.serve"))
 
@@ -127,10 +127,11 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from dsv3_jax import lockstep, parallel_cli
     from dsv3_jax.config import ConfigError
-    from dsv3_jax.distributed import DistributedError
-    from dsv3_jax.engine import EngineConfig
+    from dsv3_jax.engine.core import EngineConfig
+    from dsv3_jax.parallel import flags as parallel_cli
+    from dsv3_jax.parallel import lockstep
+    from dsv3_jax.parallel.distributed import DistributedError
 
     try:
         parallel_cli.check(args)

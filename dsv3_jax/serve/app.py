@@ -24,13 +24,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from dsv3_jax.chat import encode_chat
-from dsv3_jax.decode import StopMatcher
+from dsv3_jax.request_stream import StopMatcher
 from dsv3_jax.serve import protocol as P
 from dsv3_jax.serve.metrics import CONTENT_TYPE, Metrics
 from dsv3_jax.serve.parsers import ChatOutputParser, tool_description
 from dsv3_jax.serve.runner import EngineRunner, Overloaded, Submission
-from dsv3_jax.tokenizer import IncrementalDetokenizer
+from dsv3_jax.text.chat import encode_chat
+from dsv3_jax.text.tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from dsv3_jax.decode import StopMatcher, held_tail
+from dsv3_jax.request_stream import StopMatcher, held_tail
 
 THINK_START, THINK_END = "<think>", "</think>"
 CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"

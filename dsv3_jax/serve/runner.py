@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from dsv3_jax.engine import Engine, EngineConfig
+from dsv3_jax.engine.core import Engine, EngineConfig
 
 log = logging.getLogger(__name__)
 

@@ -42,9 +42,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsv3_jax import mtp_draft
-from dsv3_jax.cache import PageMeta
-from dsv3_jax.sampling import MAX_LOGPROBS, SamplingParams, speculative_sample, token_logprobs
+from dsv3_jax.engine import mtp_draft
+from dsv3_jax.engine.sampling import MAX_LOGPROBS, SamplingParams, speculative_sample, token_logprobs
+from dsv3_jax.model.kv_cache import PageMeta
 
 
 def pow2_at_least(n: int) -> int:

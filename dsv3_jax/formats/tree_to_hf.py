@@ -16,9 +16,9 @@ from typing import Any
 
 import numpy as np
 
-from convert import hf_names
-from convert.safetensors_io import DTYPES, write_safetensors
 from dsv3_jax.config import ModelConfig
+from dsv3_jax.formats import hf_names
+from dsv3_jax.formats.safetensors_io import DTYPES, write_safetensors
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"

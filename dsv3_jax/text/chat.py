@@ -23,7 +23,7 @@ import jinja2.nodes
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from dsv3_jax.tokenizer import Tokenizer
+from dsv3_jax.text.tokenizer import Tokenizer
 
 # Names under which a message's reasoning may arrive; transformers copies it to all of the first two.
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")

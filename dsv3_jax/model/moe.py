@@ -25,9 +25,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from dsv3_jax import kernels, sharding
 from dsv3_jax.config import ModelConfig
-from dsv3_jax.layers import MLP
+from dsv3_jax.model import kernel_dispatch as kernels
+from dsv3_jax.model.layers import MLP
+from dsv3_jax.parallel import sharding
 
 
 def route(logits: jax.Array, bias: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:

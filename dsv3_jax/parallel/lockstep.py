@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from dsv3_jax import distributed
+from dsv3_jax.parallel import distributed
 
 log = logging.getLogger(__name__)
 
@@ -94,8 +94,8 @@ def fail(message: str) -> None:
 def follow(handle: Any) -> int:
     """A follower's whole life: replay process 0's engine operations until it finishes. Returns the
     number of steps replayed; raises distributed.DistributedError when process 0 failed."""
-    from dsv3_jax.engine import Engine, EngineConfig
-    from dsv3_jax.step import StepKey
+    from dsv3_jax.engine.core import Engine, EngineConfig
+    from dsv3_jax.engine.step import StepKey
 
     if not is_follower():
         raise distributed.DistributedError("follow() runs on processes other than 0 of a multi-process run")

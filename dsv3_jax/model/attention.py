@@ -17,11 +17,12 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from dsv3_jax import dp_attention, kernels
-from dsv3_jax.cache import PageMeta, gather_pages, layer_view, write_pages
 from dsv3_jax.config import ModelConfig
-from dsv3_jax.layers import Linear, RMSNorm
-from dsv3_jax.rope import apply_rope, rope_angles
+from dsv3_jax.model import kernel_dispatch as kernels
+from dsv3_jax.model.kv_cache import PageMeta, gather_pages, layer_view, write_pages
+from dsv3_jax.model.layers import Linear, RMSNorm
+from dsv3_jax.model.rope import apply_rope, rope_angles
+from dsv3_jax.parallel import dp_attention
 
 ATTENTION_FORMS = ("absorbed", "naive")
 

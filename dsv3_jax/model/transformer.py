@@ -19,11 +19,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from dsv3_jax.attention import MLA
-from dsv3_jax.cache import PageMeta
 from dsv3_jax.config import ModelConfig
-from dsv3_jax.layers import MLP, Linear, RMSNorm
-from dsv3_jax.moe import MoE
+from dsv3_jax.model.attention import MLA
+from dsv3_jax.model.kv_cache import PageMeta
+from dsv3_jax.model.layers import MLP, Linear, RMSNorm
+from dsv3_jax.model.moe import MoE
 
 
 def _at(x: jax.Array, select: jax.Array | None) -> jax.Array:

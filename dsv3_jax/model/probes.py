@@ -25,11 +25,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsv3_jax import cache as kv_cache
-from dsv3_jax import sharding
-from dsv3_jax.attention import MLA, _causal_softmax
-from dsv3_jax.cache import PageMeta
-from dsv3_jax.rope import apply_rope, rope_angles
+from dsv3_jax.model import kv_cache
+from dsv3_jax.model.attention import MLA, _causal_softmax
+from dsv3_jax.model.kv_cache import PageMeta
+from dsv3_jax.model.rope import apply_rope, rope_angles
+from dsv3_jax.parallel import sharding
 
 _STACKS = ("dense_layers", "moe_layers")
 

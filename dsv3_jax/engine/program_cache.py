@@ -40,7 +40,7 @@ def source_digest() -> str:
     import pallas_kernels
 
     h = hashlib.sha256()
-    for pkg in (Path(__file__).resolve().parent, Path(pallas_kernels.__file__).resolve().parent):
+    for pkg in (Path(__file__).resolve().parents[1], Path(pallas_kernels.__file__).resolve().parent):
         for f in sorted(pkg.rglob("*.py")):
             h.update(str(f.relative_to(pkg.parent)).encode())
             h.update(f.read_bytes())

@@ -185,7 +185,7 @@ def check_mesh_axes(mesh: Any) -> None:
     names = tuple(getattr(mesh, "axis_names", ()))
     if set(names) != set(AXES):
         raise MeshError(f"mesh axes must be exactly {AXES}, got {names}; build it with "
-                        f"dsv3_jax.sharding.make_mesh('data=..,tensor=..,expert=..')")
+                        f"dsv3_jax.parallel.sharding.make_mesh('data=..,tensor=..,expert=..')")
 
 
 def axis_sizes(mesh: Any) -> dict[str, int]:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import tokenizers
 
-from dsv3_jax.paths import regular_file_inside
+from dsv3_jax.formats.paths import regular_file_inside
 
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"

@@ -25,8 +25,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from dsv3_jax import sharding
-from dsv3_jax.cache import PageMeta
+from dsv3_jax.model.kv_cache import PageMeta
+from dsv3_jax.parallel import sharding
 
 LAYOUTS = ("pages", "layer_pages", "rows", "heads", "meta", "replicated")
 _POOL_AXIS = {"pages": 0, "layer_pages": 1}  # where a pool leaf keeps its page axis

@@ -15,7 +15,7 @@ import argparse
 import sys
 from typing import Any
 
-from dsv3_jax import distributed, lockstep
+from dsv3_jax.parallel import distributed, lockstep
 
 SHORTHANDS = (("tp", "tensor"), ("dp", "data"), ("ep", "expert"))
 
@@ -48,7 +48,8 @@ def add_flags(parser: argparse.ArgumentParser, *, engine_sizing: bool = True) ->
 
 def check(args: argparse.Namespace) -> None:
     """Refuse bad values before loading; fold --tp/--dp/--ep into args.mesh."""
-    from dsv3_jax import plan, sharding
+    from dsv3_jax import plan
+    from dsv3_jax.parallel import sharding
 
     given = {axis: getattr(args, flag) for flag, axis in SHORTHANDS if getattr(args, flag) is not None}
     for flag, _ in SHORTHANDS:
@@ -95,7 +96,9 @@ def device_memory(args: argparse.Namespace) -> int | None:
 def engine_plan(handle: Any, args: argparse.Namespace, *, spec_k: int = 0) -> Any:
     """The plan-sized pool for this model and mesh (plan.PoolPlan), or None without a device memory
     (CPU): PlanError when not even one --max-model-len request fits."""
-    from dsv3_jax import api, cache, plan, sharding
+    from dsv3_jax import api, plan
+    from dsv3_jax.model import kv_cache as cache
+    from dsv3_jax.parallel import sharding
 
     mem = device_memory(args)
     if mem is None:

@@ -11,7 +11,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from dsv3_jax import kernels
+from dsv3_jax.model import kernel_dispatch as kernels
 
 Dtype = jnp.dtype
 

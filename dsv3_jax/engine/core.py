@@ -40,11 +40,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsv3_jax import cache as kv_cache
-from dsv3_jax import kernels, lockstep, moe, program_cache, sharding, step
-from dsv3_jax.paging import OutOfPages, PagePool
-from dsv3_jax.sampling import MAX_LOGPROBS, validate_sampling_params
-from dsv3_jax.scheduler import Request, Scheduler
+from dsv3_jax.engine import program_cache, step
+from dsv3_jax.engine.paging import OutOfPages, PagePool
+from dsv3_jax.engine.sampling import MAX_LOGPROBS, validate_sampling_params
+from dsv3_jax.engine.scheduler import Request, Scheduler
+from dsv3_jax.model import kernel_dispatch as kernels
+from dsv3_jax.model import kv_cache, moe
+from dsv3_jax.parallel import lockstep, sharding
 
 log = logging.getLogger(__name__)
 FINISH_REASONS = ("stop", "length", "cancelled", "error")

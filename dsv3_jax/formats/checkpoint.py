@@ -19,10 +19,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from convert import hf_names
-from convert.safetensors_io import TensorInfo, read_tensor
 from dsv3_jax.config import ModelConfig
-from dsv3_jax.paths import PathContainmentError, contained
+from dsv3_jax.formats import hf_names
+from dsv3_jax.formats.paths import PathContainmentError, contained
+from dsv3_jax.formats.safetensors_io import TensorInfo, read_tensor
 
 FP8 = jnp.float8_e4m3fn
 COMPLETE_MARKER = "dsv3_manifest.json"  # written last by the converter
@@ -96,7 +96,7 @@ def load_converted(path: str | Path, cfg: ModelConfig, *, dtype: jnp.dtype,
     hold. Leaves are restored in `dtype` except FP8 weights, scales and the router bias. The MTP leaves
     are skipped when `cfg.num_nextn_predict_layers` is 0.
     """
-    from convert import orbax_io
+    from dsv3_jax.formats import orbax_io
 
     path = Path(path)
     marker = path / COMPLETE_MARKER
@@ -162,7 +162,7 @@ _LEAF_NAME = re.compile(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*")
 def read_manifest(path: Path) -> tuple[dict[str, tuple[list[int], str, list[int]]], Path]:
     """({leaf name: (shape, dtype, chunks)}, params directory) of a converted checkpoint, every entry
     type-checked and the params directory contained in `path` (CheckpointError naming the entry)."""
-    from convert import orbax_io
+    from dsv3_jax.formats import orbax_io
 
     marker = path / COMPLETE_MARKER
     try:

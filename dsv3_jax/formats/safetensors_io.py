@@ -122,10 +122,10 @@ def read_header(path: str | os.PathLike) -> tuple[dict[str, TensorInfo], dict[st
 def shard_files(root: str | os.PathLike) -> tuple[dict[str, str], list[str]]:
     """(weight_map, shard file names) of an HF directory: its index, or a single model.safetensors.
 
-    Every index entry must be a string naming a file inside `root` (`dsv3_jax.paths.contained`).
+    Every index entry must be a string naming a file inside `root` (`dsv3_jax.formats.paths.contained`).
     Raises SafetensorsError (unreadable index), PathContainmentError, or FileNotFoundError (neither).
     """
-    from dsv3_jax.paths import contained
+    from dsv3_jax.formats.paths import contained
 
     root = Path(root)
     index = root / INDEX

@@ -14,8 +14,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from dsv3_jax.cache import PageMeta
-from dsv3_jax.sampling import SamplingParams, probs_after_filtering, row_keys
+from dsv3_jax.engine.sampling import SamplingParams, probs_after_filtering, row_keys
+from dsv3_jax.model.kv_cache import PageMeta
 
 
 def propose(model: Any, params: Any, cache: dict, *, hidden: jax.Array, tokens: jax.Array,

@@ -63,7 +63,7 @@ def backend() -> str:
 
 @functools.cache
 def _log_fallback_once() -> None:
-    log.info("dsv3_jax.kernels: no Hopper GPU found; using the plain-jnp reference kernels")
+    log.info("dsv3_jax.model.kernel_dispatch: no Hopper GPU found; using the plain-jnp reference kernels")
 
 
 # ------------------------------------------------------------------------------------------- FP8
@@ -120,8 +120,8 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
 
 @functools.cache
 def _log_grouped_dtype_fallback(dtype: str) -> None:
-    log.warning("dsv3_jax.kernels: the grouped GEMM kernel takes bf16/fp16; %s experts use the jnp "
-                "reference", dtype)
+    log.warning("kernel dispatch: the grouped GEMM kernel takes bf16/fp16; %s experts use the jnp reference",
+                dtype)
 
 
 # ------------------------------------------------------------------------------- MLA attention
@@ -152,5 +152,5 @@ def mla_attention(q_latent: jax.Array, q_rope: jax.Array, kv_pages: jax.Array, b
 
 @functools.cache
 def _log_mla_shape_fallback(latent: tuple[int, ...], dtype: str) -> None:
-    log.warning("dsv3_jax.kernels: MLA kernel needs latent 512 + rope 64, 64-token pages, bf16; got "
+    log.warning("kernel dispatch: MLA kernel needs latent 512 + rope 64, 64-token pages, bf16; got "
                 "latent %s, %s: using the jnp reference", latent, dtype)

@@ -16,11 +16,11 @@ from typing import Any
 
 import numpy as np
 
-from dsv3_jax import cache as kv_cache
-from dsv3_jax import sharding
-from dsv3_jax.engine import Engine, EngineConfig, TokenLogprob, pages_needed, validate_request
-from dsv3_jax.sampling import MAX_LOGPROBS, validate_sampling_params
-from dsv3_jax.tokenizer import IncrementalDetokenizer, Tokenizer
+from dsv3_jax.engine.core import Engine, EngineConfig, TokenLogprob, pages_needed, validate_request
+from dsv3_jax.engine.sampling import MAX_LOGPROBS, validate_sampling_params
+from dsv3_jax.model import kv_cache
+from dsv3_jax.parallel import sharding
+from dsv3_jax.text.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,9 +24,9 @@ from typing import Any
 
 import numpy as np
 
-from dsv3_jax import cache as kv_cache
-from dsv3_jax.paging import OutOfPages, PagePool
-from dsv3_jax.step import RowPlan
+from dsv3_jax.engine.paging import OutOfPages, PagePool
+from dsv3_jax.engine.step import RowPlan
+from dsv3_jax.model import kv_cache
 
 
 @dataclasses.dataclass
