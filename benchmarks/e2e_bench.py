@@ -258,7 +258,7 @@ def mtp_bench(compact: Path, corpus: Path, reps_tokens: int) -> list[dict]:
         prompts = [held[i * 997:i * 997 + 64].tolist() for i in range(batch)]
         res = {}
         for k in (0, 1):
-            ecfg = EngineConfig(num_pages=1 + batch * 4, max_batch=batch, token_budget=batch * 64 + 64,
+            ecfg = EngineConfig(num_pages=1 + batch * 4, max_batch=batch, max_batched_tokens=batch * 64 + 64,
                                 chunk_size=64, spec_k=k, prefix_caching=False)
             Engine(handle, ecfg).generate(prompts, max_new_tokens=8)  # compile
             eng = Engine(handle, ecfg)

@@ -131,7 +131,7 @@ def _engine_run(handle, prompts, new_tokens: int, spec_k: int) -> dict:
 
     b = len(prompts)
     pages = b * kv_cache.pages_for(len(prompts[0]) + new_tokens + spec_k + 1)
-    ecfg = EngineConfig(num_pages=1 + pages, max_batch=b, token_budget=b * 64 + 64, chunk_size=64,
+    ecfg = EngineConfig(num_pages=1 + pages, max_batch=b, max_batched_tokens=b * 64 + 64, chunk_size=64,
                         spec_k=spec_k, prefix_caching=False)
     eng = Engine(handle, ecfg)
     eng.generate(prompts, max_new_tokens=8)  # compile every shape this run uses (same engine: no retrace)

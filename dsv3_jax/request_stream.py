@@ -16,7 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from dsv3_jax.engine.core import Engine, EngineConfig, TokenLogprob, pages_needed, validate_request
+from dsv3_jax.engine.api import EngineConfig, TokenLogprob, check_request, pages_needed
+from dsv3_jax.engine.core import Engine
 from dsv3_jax.engine.sampling import MAX_LOGPROBS, validate_sampling_params
 from dsv3_jax.model import kv_cache
 from dsv3_jax.parallel import sharding
@@ -200,7 +201,8 @@ def _validate(cfg: Any, prompts: list[list[int]], params: Sequence[PromptParams]
     if not prompts:
         raise ValueError("no prompts given")
     for i, (p, q) in enumerate(zip(prompts, params)):
-        validate_request(cfg, p, q.max_new_tokens, what=f"prompt {i}")
+        check_request(p, q.max_new_tokens, vocab_size=cfg.vocab_size, context=cfg.max_position_embeddings,
+                      what=f"prompt {i}")
 
 
 def prompt_params(n: int, defaults: dict[str, Any], *, max_new_tokens: Any = 64, temperature: Any = None,

@@ -69,7 +69,8 @@ def test_continuous_batching_equals_alone_with_chunking_and_preemption(handle):
     prompts = _prompts(6, seed=1)
     want = [_alone(handle, p, 12) for p in prompts]
     # Tiny pages, a small pool (forces preemption), small chunks (prompts span several steps).
-    eng = Engine(handle, EngineConfig(num_pages=24, page_size=4, max_batch=4, token_budget=24, chunk_size=8))
+    eng = Engine(handle, EngineConfig(num_pages=24, page_size=4, max_batch=4, max_batched_tokens=24,
+                                      chunk_size=8))
     rids, got = {}, {}
     arrivals = {0: [0, 1], 2: [2], 3: [3, 4], 6: [5]}  # requests join between steps
     step = 0
@@ -136,7 +137,7 @@ def test_sampled_speculation_keeps_the_distribution():
     n = 256
 
     def joint(spec_k):
-        eng = Engine(h, EngineConfig(num_pages=200, page_size=4, max_batch=128, token_budget=1024,
+        eng = Engine(h, EngineConfig(num_pages=200, page_size=4, max_batch=128, max_batched_tokens=1024,
                                      spec_k=spec_k))
         for s in range(n):
             eng.add_request([1, 2, 3], max_new_tokens=2, temperature=1.0, seed=s)

@@ -26,7 +26,6 @@ request's length; their cache slots are overwritten by later steps.
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import logging
 import os
 import time
@@ -41,15 +40,22 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv3_jax.engine import program_cache, step
+from dsv3_jax.engine.api import (
+    EngineConfig,
+    FinishReason,
+    StepEvent,
+    TokenLogprob,
+    check_request,
+    pages_needed,
+)
 from dsv3_jax.engine.paging import OutOfPages, PagePool
-from dsv3_jax.engine.sampling import MAX_LOGPROBS, validate_sampling_params
+from dsv3_jax.engine.sampling import validate_sampling_params
 from dsv3_jax.engine.scheduler import Request, Scheduler
 from dsv3_jax.model import kernel_dispatch as kernels
 from dsv3_jax.model import kv_cache, moe
 from dsv3_jax.parallel import lockstep, sharding
 
 log = logging.getLogger(__name__)
-FINISH_REASONS = ("stop", "length", "cancelled", "error")
 
 
 # ------------------------------------------------------------------------------ compilation cache
@@ -83,70 +89,6 @@ def enable_compilation_cache() -> Path | None:
     except (ImportError, AttributeError):  # another JAX version: the setting applies from the next process
         log.info("compilation cache set to %s; it applies to programs compiled from now on", d)
     return d
-
-
-# -------------------------------------------------------------------------------------- contract
-@dataclasses.dataclass
-class EngineConfig:
-    num_pages: int = 256  # pages in the pool (page 0 is scratch)
-    page_size: int = kv_cache.PAGE_SIZE
-    max_batch: int = 256  # sequences per step
-    max_batched_tokens: int = 2048  # token budget per step (prefill chunks + decode tokens)
-    chunk_size: int = 512  # longest prefill chunk of one request per step
-    prefix_caching: bool = True
-    spec_k: int = 0  # MTP draft tokens per step (0 = off, 1..3)
-    token_budget: int | None = None  # accepted alias of max_batched_tokens
-    pipeline: bool = True  # dispatch step k+1 before reading step k (off: one step at a time)
-    # Step shapes (step.StepShapes): decode capacities of these row counts and max_batch (default 4, 32),
-    # mixed/prefill capacities of these token counts and max_batched_tokens (default: the budget only).
-    # Each pair compiles twice (greedy and full); the defaults give at most 8 programs.
-    token_buckets: tuple[int, ...] = ()
-    row_buckets: tuple[int, ...] = ()
-    # XLA options for compiling the step, e.g. {"xla_gpu_enable_command_buffer": "FUSION,...,WHILE"}
-    # (benchmarks/engine_bench.py measures such choices on the GPU).
-    compiler_options: dict[str, Any] | None = None
-
-    def __post_init__(self) -> None:
-        if self.token_budget is not None:
-            self.max_batched_tokens = self.token_budget
-        self.token_budget = self.max_batched_tokens
-        self.token_buckets = tuple(int(t) for t in self.token_buckets)
-        self.row_buckets = tuple(int(r) for r in self.row_buckets)
-
-
-@dataclasses.dataclass
-class TokenLogprob:
-    token: int
-    logprob: float
-    top: list[tuple[int, float]]
-
-
-@dataclasses.dataclass
-class StepEvent:
-    rid: int
-    new_tokens: list[int]
-    finished: bool
-    finish_reason: str | None = None
-    logprobs: list[TokenLogprob] | None = None
-    error: str | None = None
-
-
-def pages_needed(prompt_len: int, max_new_tokens: int, spec_k: int, page_size: int) -> int:
-    """Pages a request may hold at its longest (drafts included)."""
-    return kv_cache.pages_for(prompt_len + max_new_tokens + spec_k, page_size)
-
-
-def validate_request(cfg: Any, prompt: Sequence[int], max_new_tokens: int, what: str = "prompt") -> None:
-    """Raise ValueError naming the problem for a prompt the model cannot take."""
-    if len(prompt) == 0:
-        raise ValueError(f"{what} is empty")
-    if not isinstance(max_new_tokens, int | np.integer) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-    if min(prompt) < 0 or max(prompt) >= cfg.vocab_size:
-        raise ValueError(f"{what} has token ids outside [0, {cfg.vocab_size})")
-    if len(prompt) + max_new_tokens > cfg.max_position_embeddings:
-        raise ValueError(f"{what} ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) overflows the "
-                         f"context of {cfg.max_position_embeddings} tokens")
 
 
 # Compiled steps per model handle, keyed explicitly (step key, shapes, kernel and dispatch choice);
@@ -237,15 +179,10 @@ class Engine:
                     top_p: float = 1.0, top_k: int = 0, seed: int = 0, eos: Sequence[int] = (),
                     logprobs: int | None = None) -> int:
         prompt = [int(t) for t in prompt]
-        validate_request(self.handle.config, prompt, max_new_tokens)
+        mc = self.handle.config
+        check_request(prompt, max_new_tokens, vocab_size=mc.vocab_size, context=mc.max_position_embeddings,
+                      spec_k=self.cfg.spec_k, logprobs=logprobs)
         validate_sampling_params(temperature, top_p, top_k, seed=seed)  # seeds live in int32 arrays
-        if logprobs is not None and not (isinstance(logprobs, int | np.integer)
-                                         and 0 <= logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be an integer in 0..{MAX_LOGPROBS} (or None), got {logprobs!r}")
-        total = len(prompt) + max_new_tokens + self.cfg.spec_k
-        if total > self.handle.config.max_position_embeddings:
-            raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) + spec_k overflows "
-                             f"the context of {self.handle.config.max_position_embeddings} tokens")
         need = pages_needed(len(prompt), max_new_tokens, self.cfg.spec_k, self.cfg.page_size)
         if need > self.pool.pages_per_shard - 1:
             where = f" per batch shard (of {self.pool.shards})" if self.pool.shards > 1 else ""
@@ -261,13 +198,13 @@ class Engine:
         """Stop a request now and free its pages; True if it was waiting or running."""
         for r in (*self.waiting, *self.running):
             if r.rid == rid:
-                self._finish(r, "cancelled")
+                self._finish(r, FinishReason.CANCELLED)
                 return True
         return False
 
-    def _finish(self, r: Request, reason: str, error: str | None = None) -> None:
+    def _finish(self, r: Request, reason: FinishReason, error: str | None = None) -> None:
         r.finish_reason, r.error = reason, error
-        if reason == "error" and r.pages:
+        if reason == FinishReason.ERROR and r.pages:
             # Its pages may hold NaN: zero them so the next owner's masked slots stay finite.
             pages = np.zeros(self.width, np.int32)  # one shape: compiled by warmup()
             pages[:len(r.pages)] = r.pages
@@ -494,9 +431,9 @@ class Engine:
                 continue
             r.pending -= row.final
             if not out["finite"][i]:
-                self._finish(r, "error", f"non-finite logits at position {row.start + row.n - 1} (numerical "
-                             f"overflow or corrupt weights); request stopped")
-                events.append(StepEvent(r.rid, [], True, "error", error=r.error))
+                self._finish(r, FinishReason.ERROR, f"non-finite logits at position {row.start + row.n - 1} "
+                             f"(numerical overflow or corrupt weights); request stopped")
+                events.append(StepEvent(r.rid, [], True, FinishReason.ERROR, error=r.error))
                 continue
             if not row.final:  # a prefill chunk short of the prompt's end
                 self._register(r, row.start + row.n, ps)
@@ -512,7 +449,7 @@ class Engine:
             emitted, lps = [], []
             for jj, tok in enumerate(out["tokens"][i, :n_new].tolist()):
                 if tok in r.eos:
-                    r.finish_reason = "stop"
+                    r.finish_reason = FinishReason.STOP
                     break
                 r.output.append(tok)
                 emitted.append(tok)
@@ -523,7 +460,7 @@ class Engine:
                                    out["top_logprobs"][i, jj, :n_top].tolist(), strict=True))
                     lps.append(TokenLogprob(tok, float(out["logprob"][i, jj]), top))
                 if len(r.output) >= r.max_new_tokens:
-                    r.finish_reason = "length"
+                    r.finish_reason = FinishReason.LENGTH
                     break
             r.output_logprobs += lps
             if r.first_token_at is None and (emitted or r.finish_reason):

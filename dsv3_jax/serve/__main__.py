@@ -9,7 +9,6 @@ Must not implement routes (app.py) or the engine loop (runner.py).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import sys
 import time
@@ -35,7 +34,8 @@ def _parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("engine sizing (EngineConfig)")
     g.add_argument("--num-pages", type=int, default=d.num_pages, help="KV-cache pages (page 0 is scratch)")
     g.add_argument("--max-batch", type=int, default=d.max_batch, help="sequences per engine step")
-    g.add_argument("--max-batched-tokens", type=int, default=_budget(d), help="tokens per engine step")
+    g.add_argument("--max-batched-tokens", type=int, default=d.max_batched_tokens,
+                   help="tokens per engine step")
     g.add_argument("--chunk-size", type=int, default=d.chunk_size, help="longest prefill chunk per step")
     g.add_argument("--no-prefix-caching", action="store_true", help="do not reuse cached prompt pages")
     g.add_argument("--spec-k", type=int, default=0, help="MTP draft tokens per step (0 = off, up to 3)")
@@ -65,20 +65,15 @@ def _ints(text: str) -> tuple[int, ...]:
     return tuple(sorted(values))
 
 
-def _budget(cfg: Any) -> int:
-    # ENGINE_API.md renames token_budget to max_batched_tokens; accept whichever this engine has.
-    return getattr(cfg, "max_batched_tokens", None) or cfg.token_budget
 
 
 def engine_config(args: argparse.Namespace) -> Any:
     from dsv3_jax.engine.core import EngineConfig
 
-    names = {f.name for f in dataclasses.fields(EngineConfig)}
-    budget = "max_batched_tokens" if "max_batched_tokens" in names else "token_budget"
     extra = {k: getattr(args, k) for k in ("token_buckets", "row_buckets") if getattr(args, k, None)}
     return EngineConfig(num_pages=args.num_pages, max_batch=args.max_batch, chunk_size=args.chunk_size,
                         prefix_caching=not args.no_prefix_caching, spec_k=args.spec_k,
-                        **{budget: args.max_batched_tokens}, **extra)
+                        max_batched_tokens=args.max_batched_tokens, **extra)
 
 
 def load_handle(args: argparse.Namespace) -> Any:
