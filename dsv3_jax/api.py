@@ -25,6 +25,7 @@ from dsv3_jax.engine.core import enable_compilation_cache
 from dsv3_jax.engine.sampling import load_generation_defaults
 from dsv3_jax.formats import checkpoint
 from dsv3_jax.model.attention import ATTENTION_FORMS
+from dsv3_jax.model.trace_options import TraceOptions
 from dsv3_jax.model.transformer import Transformer
 from dsv3_jax.parallel import sharding
 from dsv3_jax.request_stream import GenerationResult
@@ -45,12 +46,15 @@ class ModelHandle:
     param_shardings: Any = None  # NamedShardings of `params` on `mesh` (None without a mesh)
     # EngineConfig fields generate() uses (CLI: --max-batch, --max-batched-tokens, the plan-sized pool)
     engine_defaults: dict[str, int] = dataclasses.field(default_factory=dict)
+    # Every trace-time setting (kernel backend, MoE dispatch): the model's, and the engine's compile key's
+    trace_options: TraceOptions = dataclasses.field(default_factory=TraceOptions.from_environment)
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_FORMS:
             raise ValueError(f"attention must be one of {ATTENTION_FORMS}, got {self.attention!r}")
         self.fp8 = checkpoint.tree_is_fp8(self.params)
-        self.model = Transformer(self.config, jnp.dtype(self.config.dtype), self.fp8, self.attention)
+        self.model = Transformer(self.config, jnp.dtype(self.config.dtype), self.fp8, self.attention,
+                                 trace_options=self.trace_options)
 
     def mesh_context(self):
         """`jax.set_mesh(self.mesh)` (a no-op without a mesh): trace/call jitted model code inside it so the
@@ -192,7 +196,8 @@ DEFAULT_MODEL_DIR = Path(__file__).parent / "default_model"
 
 def load(path: str | Path | None = None, *, mesh: Any = None, attention: str = "absorbed",
          dtype: str | None = None, n_activated_experts: int | None = None, max_seq_len: int | None = None,
-         device_memory: int | str | None = None) -> ModelHandle:
+         device_memory: int | str | None = None, kernels: str | None = None,
+         trace_options: TraceOptions | None = None) -> ModelHandle:
     """Load a converted checkpoint (or an HF safetensors directory) onto `mesh` (None: one device);
     `path` None loads the embedded default model (`DEFAULT_MODEL_DIR`).
 
@@ -202,7 +207,13 @@ def load(path: str | Path | None = None, *, mesh: Any = None, attention: str = "
     group selection). Before reading any weights, the memory plan (plan.py) must fit one request of
     `max_seq_len` tokens (default: the model's context) in `device_memory` (default: what the
     accelerator reports; no check on CPU), else PlanError with the numbers.
+    `kernels`: "auto" (Pallas on a Hopper GPU, the `jnp` reference elsewhere), "pallas" or "reference";
+    None reads DSV3_KERNELS. `trace_options` (a `TraceOptions`, instead of `kernels`) sets every trace
+    setting at once (MoE dispatch mode, capacity factor too).
     """
+    if trace_options is not None and kernels is not None:
+        raise ValueError("pass kernels or trace_options, not both (TraceOptions.kernels is the backend)")
+    options = trace_options if trace_options is not None else TraceOptions.resolve(kernels)
     # JAX decides at its first compile whether the persistent cache is on, and loading compiles.
     enable_compilation_cache()
     path = DEFAULT_MODEL_DIR if path is None else Path(path)
@@ -235,7 +246,8 @@ def load(path: str | Path | None = None, *, mesh: Any = None, attention: str = "
         tok = Tokenizer.from_dir(path)
     else:
         tok = Tokenizer.default() if path == DEFAULT_MODEL_DIR else None
-    return ModelHandle(cfg, params, attention, mesh, path, tok, load_generation_defaults(path), shardings)
+    return ModelHandle(cfg, params, attention, mesh, path, tok, load_generation_defaults(path), shardings,
+                       trace_options=options)
 
 
 def _host_params(path: Path, cfg: ModelConfig) -> dict[str, Any]:

@@ -7,11 +7,14 @@ Owns: the q/kv projections, YaRN rope on the 64 rope dims, and attention itself 
 Both forms give the same numbers; names follow the paper / official reference (wkv_a, kv_norm, q_pe).
 With a cache, both forms read and write *pages* through cache.py's helpers (its layout; page 0 is
 scratch); a batch may be ragged (row b holds chunk_lens[b] real tokens, or one token per row); absorbed
-attention over pages goes through `kernels.mla_attention` (the Pallas MLA kernel on Hopper).
+attention over pages goes through `kernels.mla_attention` (the Pallas MLA kernel when the module's
+`trace_options.kernels` is "pallas"; every linear gets the same options).
 Must not own cache allocation or page bookkeeping (cache.py, engine) or know about other layers.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import flax.linen as nn
 import jax
@@ -22,6 +25,7 @@ from dsv3_jax.model import kernel_dispatch as kernels
 from dsv3_jax.model.kv_cache import PageMeta, gather_pages, layer_view, write_pages
 from dsv3_jax.model.layers import Linear, RMSNorm
 from dsv3_jax.model.rope import apply_rope, rope_angles
+from dsv3_jax.model.trace_options import TraceOptions
 from dsv3_jax.parallel import dp_attention
 
 ATTENTION_FORMS = ("absorbed", "naive")
@@ -38,10 +42,11 @@ class MLA(nn.Module):
     cfg: ModelConfig
     param_dtype: jnp.dtype = jnp.float32
     fp8: bool = False
+    trace_options: TraceOptions = dataclasses.field(default_factory=TraceOptions.from_environment)
 
     def setup(self) -> None:
         c = self.cfg
-        kw = dict(param_dtype=self.param_dtype, fp8=self.fp8)
+        kw = dict(param_dtype=self.param_dtype, fp8=self.fp8, trace_options=self.trace_options)
         h = c.num_attention_heads
         if c.q_lora_rank is None:
             self.q_proj = Linear(c.hidden_size, h * c.qk_head_dim, **kw)
@@ -93,6 +98,7 @@ class MLA(nn.Module):
         w_uk, w_uv = w_kvb[:, :dn, :], w_kvb[:, dn:, :]
         start = positions[:, 0]
         scale = c.softmax_scale
+        backend = self.trace_options.kernels
         # A scanned stack's leaves are [L, P, ...] (pages on axis 1) and the layer index travels along.
         pool = "pages" if layer is None else "layer_pages"
         lay, lay_layout = ((), ()) if layer is None else ((layer,), ("replicated",))
@@ -108,7 +114,7 @@ class MLA(nn.Module):
                     pages = jax.lax.optimization_barrier(write_pages(pages, new, meta, start, lay))
                     flat, meta = layer_view(pages, meta, lay)
                     o, _ = kernels.mla_attention(q_lat, q_pe, flat, meta.block_table, start, meta.chunk_lens,
-                                                 softmax_scale=scale)
+                                                 softmax_scale=scale, backend=backend)
                     return o, pages
 
                 # Per batch shard on its own pages (DP attention); as is on one shard.

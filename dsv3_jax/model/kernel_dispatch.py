@@ -1,69 +1,31 @@
 """The one dispatch point between the model and `pallas_kernels`.
 
-Owns: the choice between a Pallas Mosaic GPU kernel and its plain-`jnp` reference for the FP8 linears,
-the expert grouped matmul (FP8 or bf16/fp16 weights) and MLA attention. "auto" picks Pallas on a
-Hopper GPU and the reference elsewhere (logged once); `force("pallas" | "reference")` or the env var
-DSV3_KERNELS overrides it.
-The choice is read at trace time, so a jitted function keeps the backend it was traced with.
+Owns: routing the FP8 linears, the expert grouped matmul (FP8 or bf16/fp16 weights) and MLA attention to
+a Pallas Mosaic GPU kernel or its plain-`jnp` reference, given the backend the caller passes ("pallas" or
+"reference": `TraceOptions.kernels`, see trace_options.py, which resolves "auto" and DSV3_KERNELS), and
+the fallbacks to the reference for shapes or dtypes a kernel cannot take (logged once).
+Reads no setting from module state or the environment: the backend is an argument, so a trace is
+determined by its inputs.
 Must not know about layers, configs or meshes: arrays in, arrays out.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 import logging
-import os
-from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
 
+from dsv3_jax.model.trace_options import KERNEL_BACKENDS
+
 log = logging.getLogger(__name__)
 
-_BACKENDS = ("auto", "pallas", "reference")
-_forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("dsv3_kernels", default=None)
 
-
-@contextlib.contextmanager
-def force(backend: str) -> Iterator[None]:
-    """Run (and trace) the enclosed code with `backend` in {"auto", "pallas", "reference"}."""
-    if backend not in _BACKENDS:
-        raise ValueError(f"kernel backend must be one of {_BACKENDS}, got {backend!r}")
-    token = _forced.set(backend)
-    try:
-        yield
-    finally:
-        _forced.reset(token)
-
-
-@functools.cache
-def _gpu_is_hopper() -> bool:
-    try:
-        devs = [d for d in jax.devices() if d.platform == "gpu"]
-    except RuntimeError:
-        return False
-    # Mosaic GPU's wgmma/TMA kernels need sm_90 (Hopper).
-    return bool(devs) and all(str(getattr(d, "compute_capability", "")).startswith("9") for d in devs)
-
-
-def backend() -> str:
-    """The backend in effect now: "pallas" or "reference"."""
-    choice = _forced.get() or os.environ.get("DSV3_KERNELS", "auto")
-    if choice not in _BACKENDS:
-        raise ValueError(f"DSV3_KERNELS must be one of {_BACKENDS}, got {choice!r}")
-    if choice != "auto":
-        return choice
-    if _gpu_is_hopper():
-        return "pallas"
-    _log_fallback_once()
-    return "reference"
-
-
-@functools.cache
-def _log_fallback_once() -> None:
-    log.info("dsv3_jax.model.kernel_dispatch: no Hopper GPU found; using the plain-jnp reference kernels")
+def _pallas(backend: str) -> bool:
+    if backend not in KERNEL_BACKENDS:
+        raise ValueError(f"kernel backend must be one of {KERNEL_BACKENDS}, got {backend!r}")
+    return backend == "pallas"
 
 
 # ------------------------------------------------------------------------------------------- FP8
@@ -77,9 +39,9 @@ def dequantize_weight(w: jax.Array, scale: jax.Array, dtype=jnp.float32) -> jax.
     return fp8_quant.dequantize_weight(w, scale).astype(dtype)
 
 
-def fp8_linear(x: jax.Array, w: jax.Array, scale: jax.Array) -> jax.Array:
+def fp8_linear(x: jax.Array, w: jax.Array, scale: jax.Array, *, backend: str) -> jax.Array:
     """x [..., K] @ W^T for an FP8 block-scaled W [N, K]; output in x's dtype."""
-    if backend() == "pallas":
+    if _pallas(backend):
         from pallas_kernels import fp8_gemm
 
         return fp8_gemm.fp8_linear(x, w, scale, out_dtype=x.dtype)
@@ -90,17 +52,18 @@ def fp8_linear(x: jax.Array, w: jax.Array, scale: jax.Array) -> jax.Array:
 
 # ------------------------------------------------------------------------------ grouped matmul
 def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
-                   w_scale: jax.Array | None = None) -> jax.Array:
+                   w_scale: jax.Array | None = None, *, backend: str) -> jax.Array:
     """Rows of x [M, K] sorted by group times W_g^T, W [G, N, K]; group_sizes [G] sums to <= M.
 
     Only the rows' own groups are computed (a grouped GEMM, never a dense all-experts product).
     Rows past sum(group_sizes) come back as zeros. With `w_scale`, W is FP8 and x is quantized.
-    Otherwise W is cast to x's dtype (the compute dtype): bf16/fp16 run the Pallas grouped GEMM on
-    Hopper (accumulating in fp32), anything else the jnp segment-matmul reference (logged once).
+    Otherwise W is cast to x's dtype (the compute dtype): bf16/fp16 run the Pallas grouped GEMM with
+    backend "pallas" (accumulating in fp32), anything else the jnp segment-matmul reference (logged once).
     """
     gs = group_sizes.astype(jnp.int32)
+    pallas = _pallas(backend)
     if w_scale is not None:
-        if backend() == "pallas":
+        if pallas:
             from pallas_kernels import fp8_gemm
 
             return fp8_gemm.fp8_grouped_linear(x, w, w_scale, gs, out_dtype=x.dtype)
@@ -110,7 +73,7 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
     from pallas_kernels.grouped_gemm import DTYPES, grouped_gemm, grouped_gemm_reference
 
     w = w.astype(x.dtype)
-    if backend() == "pallas":
+    if pallas:
         if x.dtype in DTYPES:
             # Off the GPU (forced "pallas" in tests) the kernel runs in Pallas' GPU interpreter.
             return grouped_gemm(x, w, gs, out_dtype=x.dtype)
@@ -126,7 +89,7 @@ def _log_grouped_dtype_fallback(dtype: str) -> None:
 
 # ------------------------------------------------------------------------------- MLA attention
 def mla_attention(q_latent: jax.Array, q_rope: jax.Array, kv_pages: jax.Array, block_table: jax.Array,
-                  start_pos: jax.Array, chunk_lens: jax.Array, *, softmax_scale: float
+                  start_pos: jax.Array, chunk_lens: jax.Array, *, softmax_scale: float, backend: str
                   ) -> tuple[jax.Array, jax.Array]:
     """Absorbed MLA for a chunk of new tokens over a paged latent cache (decode is a chunk of 1).
 
@@ -142,7 +105,7 @@ def mla_attention(q_latent: jax.Array, q_rope: jax.Array, kv_pages: jax.Array, b
 
     fits = (kernel_shape_error(q_latent.shape[-1], q_rope.shape[-1], kv_pages.shape) is None
             and kv_pages.dtype == jnp.bfloat16)
-    pallas = backend() == "pallas"
+    pallas = _pallas(backend)
     if pallas and not fits:
         _log_mla_shape_fallback(tuple(q_latent.shape[-1:]), str(kv_pages.dtype))
     # Off the GPU (forced "pallas" in tests) the kernel runs in Pallas' GPU interpreter (interpret=None).

@@ -1,17 +1,21 @@
 """Small building blocks shared by attention, MoE and the decoder: RMSNorm, Linear, SwiGLU MLP.
 
 Owns: weight layout of every linear ([out, in], the HF layout, so FP8 128x128 block scales line up
-with the checkpoint and FP8 wgmma gets K-major B), and the FP8 weight path through the kernel dispatch.
+with the checkpoint and FP8 wgmma gets K-major B), and the FP8 weight path through the kernel dispatch
+(its backend from the module's `trace_options`, never from module state).
 Must not know about layers, caches or meshes.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from dsv3_jax.model import kernel_dispatch as kernels
+from dsv3_jax.model.trace_options import TraceOptions
 
 Dtype = jnp.dtype
 
@@ -40,6 +44,7 @@ class Linear(nn.Module):
     out_dim: int
     param_dtype: Dtype = jnp.float32
     fp8: bool = False
+    trace_options: TraceOptions = dataclasses.field(default_factory=TraceOptions.from_environment)
 
     def setup(self) -> None:
         if self.fp8:
@@ -58,7 +63,7 @@ class Linear(nn.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         if self.fp8:
-            return kernels.fp8_linear(x, self.weight, self.scale)
+            return kernels.fp8_linear(x, self.weight, self.scale, backend=self.trace_options.kernels)
         return jnp.einsum("...i,oi->...o", x, self.weight.astype(x.dtype))
 
 
@@ -69,10 +74,11 @@ class MLP(nn.Module):
     hidden: int
     param_dtype: Dtype = jnp.float32
     fp8: bool = False
+    trace_options: TraceOptions = dataclasses.field(default_factory=TraceOptions.from_environment)
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        kw = dict(param_dtype=self.param_dtype, fp8=self.fp8)
+        kw = dict(param_dtype=self.param_dtype, fp8=self.fp8, trace_options=self.trace_options)
         g = Linear(self.dim, self.hidden, name="gate_proj", **kw)(x)
         u = Linear(self.dim, self.hidden, name="up_proj", **kw)(x)
         return Linear(self.hidden, self.dim, name="down_proj", **kw)(jax.nn.silu(g) * u)

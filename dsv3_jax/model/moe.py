@@ -1,24 +1,23 @@
 """Mixture of experts: the `noaux_tc` grouped sigmoid router and the routed + shared SwiGLU experts.
 
 Owns: expert selection and weights (`route`), token permutation by expert, the grouped matmuls
-(through `kernels.grouped_matmul`: the FP8 or BF16 Pallas kernel on Hopper, their references
-elsewhere) and the weighted un-permutation. Only the chosen experts' work is computed. Expert weights
-are stacked [E, ...] in the HF [out, in] layout.
+(through `kernels.grouped_matmul`: the FP8 or BF16 Pallas kernel when `trace_options.kernels` is
+"pallas", their references otherwise) and the weighted un-permutation. Only the chosen experts' work
+is computed. Expert weights are stacked [E, ...] in the HF [out, in] layout.
 
 Expert parallelism (`expert_parallel`): under `jax.set_mesh(mesh)` with a mesh from sharding.py, the
 routed experts run inside `shard_map` with explicit collectives; without a mesh (or a 1-device mesh) the
 single-device path (`routed_experts` on all tokens) runs unchanged. How the MoE learns the mesh: it
 reads `jax.sharding.get_abstract_mesh()` at trace time, i.e. the mesh the *caller* set with
 `jax.set_mesh` around tracing (ModelHandle does this). Which array lives where comes from sharding.py's
-tables; this module owns only the collectives.
+tables; this module owns only the collectives. The dispatch mode and its thresholds come from the
+module's `trace_options` (trace_options.py), never from module state.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
+import dataclasses
 import math
-from collections.abc import Iterator
 
 import flax.linen as nn
 import jax
@@ -28,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 from dsv3_jax.config import ModelConfig
 from dsv3_jax.model import kernel_dispatch as kernels
 from dsv3_jax.model.layers import MLP
+from dsv3_jax.model.trace_options import TraceOptions
 from dsv3_jax.parallel import sharding
 
 
@@ -53,12 +53,12 @@ def route(logits: jax.Array, bias: jax.Array, cfg: ModelConfig) -> tuple[jax.Arr
 
 
 def routed_experts(x: jax.Array, weights: jax.Array, idx: jax.Array, experts: dict,
-                   num_experts: int) -> jax.Array:
+                   num_experts: int, *, backend: str) -> jax.Array:
     """sum_k w_k * expert_k(x) for x [N, D] via sort-by-expert + grouped matmuls.
 
     `experts` holds {gate_proj, up_proj, down_proj}: {"weight": [E, out, in], optionally "scale"}.
     `idx` may hold ids outside [0, num_experts) (experts another device owns, or -1 for padding tokens):
-    those rows are skipped.
+    those rows are skipped. `backend`: the grouped matmuls' kernel backend ("pallas" or "reference").
     """
     n, k = idx.shape
     flat = idx.reshape(-1)
@@ -71,7 +71,7 @@ def routed_experts(x: jax.Array, weights: jax.Array, idx: jax.Array, experts: di
 
     def mm(h, name):
         p = experts[name]
-        return kernels.grouped_matmul(h, p["weight"], group_sizes, p.get("scale"))
+        return kernels.grouped_matmul(h, p["weight"], group_sizes, p.get("scale"), backend=backend)
 
     h = jax.nn.silu(mm(xs, "gate_proj")) * mm(xs, "up_proj")
     y = mm(h, "down_proj")
@@ -81,67 +81,44 @@ def routed_experts(x: jax.Array, weights: jax.Array, idx: jax.Array, experts: di
 
 
 # ------------------------------------------------------------------------------- expert parallelism
-# Which dispatch runs when (decided at trace time from static shapes, or forced with `dispatch(...)`):
-# - "all_gather" when an expert group holds at most ALL_GATHER_MAX_TOKENS tokens (decode): every device
+# Which dispatch runs when (decided at trace time from static shapes and the TraceOptions: its
+# `moe_dispatch` "auto" follows this table, "all_gather" / "all_to_all" force one path):
+# - "all_gather" when an expert group holds at most `all_gather_max_tokens` tokens (decode): every device
 #   gathers the group's tokens, runs its own experts on the (token, choice) pairs that chose them, and a
 #   reduce-scatter returns each token's partial sums to its owner. No capacity, nothing to drop; bytes
 #   on the wire ~ ep x tokens x D each way, which for DeepSeek (k = 8 = ep) equals the all-to-all's.
 # - "all_to_all" above that (prefill): each (token, choice) pair is sent only to the device owning its
-#   expert, in a capacity-bounded buffer of C rows per (source, destination) pair, C = CAPACITY_FACTOR x
+#   expert, in a capacity-bounded buffer of C rows per (source, destination) pair, C = `capacity_factor` x
 #   the balanced load; results come back by a second all-to-all. If any pair of devices would exceed C
 #   (checked on every call, collectively), the whole layer falls back to the all-gather path for that
 #   call, so no token is ever dropped. If C reaches the worst case, the check is skipped.
-ALL_GATHER_MAX_TOKENS = 1024
-CAPACITY_FACTOR = 2.0
-DISPATCH_MODES = ("auto", "all_gather", "all_to_all")
-_forced_dispatch: contextvars.ContextVar[str | None] = contextvars.ContextVar("dsv3_moe_dispatch",
-                                                                              default=None)
-
-
-@contextlib.contextmanager
-def dispatch(mode: str, capacity_factor: float | None = None) -> Iterator[None]:
-    """Trace the enclosed code with MoE dispatch `mode` (and optionally another capacity factor)."""
-    global CAPACITY_FACTOR
-    if mode not in DISPATCH_MODES:
-        raise ValueError(f"MoE dispatch must be one of {DISPATCH_MODES}, got {mode!r}")
-    if capacity_factor is not None and capacity_factor <= 0:
-        raise ValueError(f"capacity_factor must be > 0, got {capacity_factor}")
-    token, old = _forced_dispatch.set(mode), CAPACITY_FACTOR
-    CAPACITY_FACTOR = old if capacity_factor is None else capacity_factor
-    try:
-        yield
-    finally:
-        _forced_dispatch.reset(token)
-        CAPACITY_FACTOR = old
-
-
-def choose_dispatch(group_tokens: int) -> str:
+def choose_dispatch(group_tokens: int, options: TraceOptions) -> str:
     """The dispatch for an expert group of `group_tokens` tokens (see the table above)."""
-    mode = _forced_dispatch.get() or "auto"
-    if mode != "auto":
-        return mode
-    return "all_gather" if group_tokens <= ALL_GATHER_MAX_TOKENS else "all_to_all"
+    if options.moe_dispatch != "auto":
+        return options.moe_dispatch
+    return "all_gather" if group_tokens <= options.all_gather_max_tokens else "all_to_all"
 
 
-def a2a_capacity(n_local: int, k: int, ep: int, experts_per_shard: int) -> tuple[int, int]:
+def a2a_capacity(n_local: int, k: int, ep: int, experts_per_shard: int,
+                 capacity_factor: float) -> tuple[int, int]:
     """(capacity C per source->destination pair, worst case) for the all-to-all dispatch."""
     worst = n_local * min(k, experts_per_shard)
     balanced = -(-n_local * k // ep)
-    cap = -(-math.ceil(CAPACITY_FACTOR * balanced) // 8) * 8
+    cap = -(-math.ceil(capacity_factor * balanced) // 8) * 8
     return min(cap, worst), worst
 
 
-def _ep_all_gather(x, w, idx, experts, e_loc: int) -> jax.Array:
+def _ep_all_gather(x, w, idx, experts, e_loc: int, backend: str) -> jax.Array:
     """All-gather the group's tokens, run local experts, reduce-scatter the partial outputs."""
     shard = jax.lax.axis_index("expert")
     xg = jax.lax.all_gather(x, "expert", tiled=True)
     wg = jax.lax.all_gather(w, "expert", tiled=True)
     ig = jax.lax.all_gather(idx, "expert", tiled=True) - shard * e_loc  # foreign ids fall outside
-    y = routed_experts(xg, wg, ig, experts, e_loc)
+    y = routed_experts(xg, wg, ig, experts, e_loc, backend=backend)
     return jax.lax.psum_scatter(y, "expert", scatter_dimension=0, tiled=True)
 
 
-def _ep_all_to_all(x, w, idx, experts, e_loc: int, ep: int, cap: int) -> jax.Array:
+def _ep_all_to_all(x, w, idx, experts, e_loc: int, ep: int, cap: int, backend: str) -> jax.Array:
     """Send each (token, choice) to its expert's device (C slots per destination), compute, send back."""
     n, k = idx.shape
     d = x.shape[-1]
@@ -159,7 +136,8 @@ def _ep_all_to_all(x, w, idx, experts, e_loc: int, ep: int, cap: int) -> jax.Arr
     recv_x = jax.lax.all_to_all(send_x, "expert", 0, 0, tiled=True)
     recv_e = jax.lax.all_to_all(send_e, "expert", 0, 0, tiled=True)
     # Padding slots carry id -1: routed_experts skips them.
-    y = routed_experts(recv_x, jnp.ones((ep * cap, 1), jnp.float32), recv_e[:, None], experts, e_loc)
+    y = routed_experts(recv_x, jnp.ones((ep * cap, 1), jnp.float32), recv_e[:, None], experts, e_loc,
+                       backend=backend)
     back = jax.lax.all_to_all(y, "expert", 0, 0, tiled=True)
     yp = back[jnp.minimum(slot, ep * cap - 1)].astype(jnp.float32)
     wp = jnp.where(valid, w.reshape(-1)[order], 0.0)
@@ -167,9 +145,10 @@ def _ep_all_to_all(x, w, idx, experts, e_loc: int, ep: int, cap: int) -> jax.Arr
 
 
 def expert_parallel(x: jax.Array, weights: jax.Array, idx: jax.Array, experts: dict, num_experts: int,
-                    mesh) -> jax.Array:
+                    mesh, options: TraceOptions) -> jax.Array:
     """routed_experts on a mesh: tokens [N, D] batch-sharded over (data, expert), experts over `expert`,
     their FFN width over `tensor` (partial sums psum'ed over tensor). Same numbers as one device.
+    `options` gives the dispatch mode, its thresholds and the kernel backend.
     """
     sizes = sharding.axis_sizes(mesh)
     ep = sizes["expert"]
@@ -181,24 +160,25 @@ def expert_parallel(x: jax.Array, weights: jax.Array, idx: jax.Array, experts: d
                for name in ("gate_proj", "up_proj", "down_proj")}
     exp_specs = {name: {key: w_specs[name] for key in p} for name, p in experts.items()}
     n_local = x.shape[0] // sharding.batch_multiple(mesh)
-    mode = choose_dispatch(n_local * ep)
-    cap, worst = a2a_capacity(n_local, idx.shape[1], ep, e_loc)
+    mode = choose_dispatch(n_local * ep, options)
+    cap, worst = a2a_capacity(n_local, idx.shape[1], ep, e_loc, options.capacity_factor)
+    backend = options.kernels
 
     def body(x, w, idx, experts):
         if ep == 1:
-            y = routed_experts(x, w, idx, experts, num_experts)
+            y = routed_experts(x, w, idx, experts, num_experts, backend=backend)
         elif mode == "all_gather":
-            y = _ep_all_gather(x, w, idx, experts, e_loc)
+            y = _ep_all_gather(x, w, idx, experts, e_loc, backend)
         elif cap >= worst:
-            y = _ep_all_to_all(x, w, idx, experts, e_loc, ep, cap)
+            y = _ep_all_to_all(x, w, idx, experts, e_loc, ep, cap, backend)
         else:
             # Overflow anywhere -> every device falls back together (the predicate is global).
             flat = idx.reshape(-1)
             load = jnp.bincount(jnp.where(flat >= 0, flat // e_loc, ep), length=ep + 1)[:ep].max()
             overflow = jax.lax.pmax(load, batch_axes) > cap  # tokens are tensor-invariant
             y = jax.lax.cond(overflow,
-                             lambda *a: _ep_all_gather(*a, e_loc),
-                             lambda *a: _ep_all_to_all(*a, e_loc, ep, cap),
+                             lambda *a: _ep_all_gather(*a, e_loc, backend),
+                             lambda *a: _ep_all_to_all(*a, e_loc, ep, cap, backend),
                              x, w, idx, experts)
         # Each device computed its FFN slice's partial sum (a no-op reduction when tensor=1).
         return jax.lax.psum(y, "tensor")
@@ -211,6 +191,7 @@ class MoE(nn.Module):
     cfg: ModelConfig
     param_dtype: jnp.dtype = jnp.float32
     fp8: bool = False
+    trace_options: TraceOptions = dataclasses.field(default_factory=TraceOptions.from_environment)
 
     @nn.compact
     def __call__(self, x: jax.Array, valid: jax.Array | None = None) -> jax.Array:
@@ -243,10 +224,11 @@ class MoE(nn.Module):
                                                               length=e + 1)[:e])
         mesh = jax.sharding.get_abstract_mesh()
         if mesh.empty or math.prod(sharding.axis_sizes(mesh).values()) == 1:
-            out = routed_experts(xf, w, idx, experts, e)  # the single-device path
+            out = routed_experts(xf, w, idx, experts, e, backend=self.trace_options.kernels)  # one device
         else:
-            out = expert_parallel(xf, w, idx, experts, e, mesh)
+            out = expert_parallel(xf, w, idx, experts, e, mesh, self.trace_options)
         if c.n_shared_experts:
-            shared = MLP(d, i * c.n_shared_experts, self.param_dtype, self.fp8, name="shared_experts")
+            shared = MLP(d, i * c.n_shared_experts, self.param_dtype, self.fp8, self.trace_options,
+                         name="shared_experts")
             out = out + shared(xf)
         return out.reshape(shape)

@@ -189,7 +189,7 @@ def _capture_block_io(mdl: nn.Module, method: str) -> bool:
 @functools.cache
 def _entropy_fn(model: nn.Module):
     cfg = model.cfg
-    mla = MLA(cfg, model.param_dtype, model.fp8)
+    mla = MLA(cfg, model.param_dtype, model.fp8, model.trace_options)
 
     def f(params, toks):
         _, state = model.apply({"params": params}, toks, mutable=["intermediates"],

@@ -3,6 +3,9 @@
 Owns: the block structure (pre-norm MLA + MLP/MoE with residuals), the two scanned stacks (the first
 `first_k_dense_replace` dense layers, then the homogeneous MoE layers: compile time does not grow with
 58 layers), the final norm and LM head, and the MTP module (layer `num_hidden_layers` in HF numbering).
+Every setting the trace depends on beyond config, dtypes, `fp8` and the attention `form` is the
+`trace_options` attribute (trace_options.py: kernel backend, MoE dispatch and capacity), handed to every
+block, attention, MoE and linear; so the module itself (hashable, compared by value) determines its trace.
 Must not own cache allocation (cache.py), weight loading (checkpoint.py) or sharding (sharding.py).
 
 Parameter tree (Linen names; layers stacked on axis 0):
@@ -15,6 +18,8 @@ Parameter tree (Linen names; layers stacked on axis 0):
 
 from __future__ import annotations
 
+import dataclasses
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -24,6 +29,7 @@ from dsv3_jax.model.attention import MLA
 from dsv3_jax.model.kv_cache import PageMeta
 from dsv3_jax.model.layers import MLP, Linear, RMSNorm
 from dsv3_jax.model.moe import MoE
+from dsv3_jax.model.trace_options import TraceOptions
 
 
 def _at(x: jax.Array, select: jax.Array | None) -> jax.Array:
@@ -45,28 +51,30 @@ class Block(nn.Module):
     param_dtype: jnp.dtype = jnp.float32
     fp8: bool = False
     form: str = "absorbed"
+    trace_options: TraceOptions = dataclasses.field(default_factory=TraceOptions.from_environment)
 
     @nn.compact
     def __call__(self, carry: tuple, positions: jax.Array, meta: PageMeta | None):
         x, cache, layer = carry
-        c = self.cfg
-        h, cache = MLA(c, self.param_dtype, self.fp8, name="self_attn")(
+        c, opts = self.cfg, self.trace_options
+        h, cache = MLA(c, self.param_dtype, self.fp8, opts, name="self_attn")(
             RMSNorm(c.hidden_size, c.rms_norm_eps, self.param_dtype, name="input_layernorm")(x),
             positions, cache, meta, self.form, layer)
         x = x + h
         hn = RMSNorm(c.hidden_size, c.rms_norm_eps, self.param_dtype, name="post_attention_layernorm")(x)
         if self.is_moe:
             valid = None if meta is None else meta.token_valid(x.shape[1])
-            x = x + MoE(c, self.param_dtype, self.fp8, name="mlp")(hn, valid)
+            x = x + MoE(c, self.param_dtype, self.fp8, opts, name="mlp")(hn, valid)
         else:
-            x = x + MLP(c.hidden_size, c.intermediate_size, self.param_dtype, self.fp8, name="mlp")(hn)
+            x = x + MLP(c.hidden_size, c.intermediate_size, self.param_dtype, self.fp8, opts, name="mlp")(hn)
         return (x, cache, None if layer is None else layer + 1), None
 
 
-def _stack(cfg: ModelConfig, is_moe: bool, length: int, param_dtype, fp8: bool, form: str, name: str):
+def _stack(cfg: ModelConfig, is_moe: bool, length: int, param_dtype, fp8: bool, form: str,
+           trace_options: TraceOptions, name: str):
     scanned = nn.scan(Block, variable_axes={"params": 0, "intermediates": 0},
                       split_rngs={"params": True}, in_axes=(nn.broadcast, nn.broadcast), length=length)
-    return scanned(cfg, is_moe, param_dtype, fp8, form, name=name)
+    return scanned(cfg, is_moe, param_dtype, fp8, form, trace_options, name=name)
 
 
 class MTP(nn.Module):
@@ -80,6 +88,7 @@ class MTP(nn.Module):
     param_dtype: jnp.dtype = jnp.float32
     fp8: bool = False
     form: str = "absorbed"
+    trace_options: TraceOptions = dataclasses.field(default_factory=TraceOptions.from_environment)
 
     @nn.compact
     def __call__(self, hidden: jax.Array, next_tokens: jax.Array, positions: jax.Array,
@@ -89,33 +98,39 @@ class MTP(nn.Module):
         emb = nn.Embed(c.vocab_size, d, param_dtype=self.param_dtype, name="embed_tokens")(next_tokens)
         e = RMSNorm(d, c.rms_norm_eps, self.param_dtype, name="enorm")(emb.astype(hidden.dtype))
         h = RMSNorm(d, c.rms_norm_eps, self.param_dtype, name="hnorm")(hidden)
-        x = Linear(2 * d, d, self.param_dtype, self.fp8, name="eh_proj")(jnp.concatenate([e, h], -1))
-        (x, cache, _), _ = Block(c, True, self.param_dtype, self.fp8, self.form, name="block")(
+        opts = self.trace_options
+        x = Linear(2 * d, d, self.param_dtype, self.fp8, opts, name="eh_proj")(jnp.concatenate([e, h], -1))
+        (x, cache, _), _ = Block(c, True, self.param_dtype, self.fp8, self.form, opts, name="block")(
             (x, cache, None), positions, meta)
         x = RMSNorm(d, c.rms_norm_eps, self.param_dtype, name="shared_head_norm")(x)
-        logits = Linear(d, c.vocab_size, self.param_dtype, False, name="shared_head_head")(_at(x, select))
+        head = Linear(d, c.vocab_size, self.param_dtype, False, opts, name="shared_head_head")
+        logits = head(_at(x, select))
         return logits.astype(jnp.float32), x, cache
 
 
 class Transformer(nn.Module):
+    """The model. `trace_options` defaults to `TraceOptions.from_environment()` (kernels as DSV3_KERNELS or
+    "auto" pick them on this machine), resolved when the module is built; pass one to choose."""
+
     cfg: ModelConfig
     param_dtype: jnp.dtype = jnp.float32
     fp8: bool = False
     form: str = "absorbed"
+    trace_options: TraceOptions = dataclasses.field(default_factory=TraceOptions.from_environment)
 
     def setup(self) -> None:
-        c = self.cfg
+        c, opts = self.cfg, self.trace_options
         self.embed_tokens = nn.Embed(c.vocab_size, c.hidden_size, param_dtype=self.param_dtype)
         if c.n_dense_layers:
             self.dense_layers = _stack(c, False, c.n_dense_layers, self.param_dtype, self.fp8, self.form,
-                                       "dense_layers")
+                                       opts, "dense_layers")
         if c.n_moe_layers:
             self.moe_layers = _stack(c, True, c.n_moe_layers, self.param_dtype, self.fp8, self.form,
-                                     "moe_layers")
+                                     opts, "moe_layers")
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, self.param_dtype)
-        self.lm_head = Linear(c.hidden_size, c.vocab_size, self.param_dtype, False)
+        self.lm_head = Linear(c.hidden_size, c.vocab_size, self.param_dtype, False, opts)
         if c.num_nextn_predict_layers:
-            self.mtp = MTP(c, self.param_dtype, self.fp8, self.form)
+            self.mtp = MTP(c, self.param_dtype, self.fp8, self.form, opts)
 
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None, cache: dict | None = None,
                  meta: PageMeta | None = None, select: jax.Array | None = None):
