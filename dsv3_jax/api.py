@@ -21,7 +21,7 @@ import numpy as np
 from dsv3_jax import request_stream as decode
 from dsv3_jax.cli import check_mesh, compute_dtype_name
 from dsv3_jax.config import ModelConfig
-from dsv3_jax.engine.core import enable_compilation_cache
+from dsv3_jax.engine.executor import enable_compilation_cache
 from dsv3_jax.engine.sampling import load_generation_defaults
 from dsv3_jax.formats import checkpoint
 from dsv3_jax.model.attention import ATTENTION_FORMS
@@ -46,6 +46,10 @@ class ModelHandle:
     param_shardings: Any = None  # NamedShardings of `params` on `mesh` (None without a mesh)
     # EngineConfig fields generate() uses (CLI: --max-batch, --max-batched-tokens, the plan-sized pool)
     engine_defaults: dict[str, int] = dataclasses.field(default_factory=dict)
+    # How engines over this handle build their device side: (handle, EngineConfig) -> executor.Executor.
+    # None (one process): engine/executor.DeviceExecutor. A multi-host leader's parallel/lockstep.Lockstep
+    # sets its `executor` here (parallel.flags.start's caller, after loading) so followers replay each step.
+    executor_factory: Callable[..., Any] | None = dataclasses.field(default=None, repr=False)
     # Every trace-time setting (kernel backend, MoE dispatch): the model's, and the engine's compile key's
     trace_options: TraceOptions = dataclasses.field(default_factory=TraceOptions.from_environment)
 

@@ -232,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     from dsv3_jax.request_stream import GenerationError
 
     args = _parser().parse_args(argv)
+    ls = None  # the engine's lockstep.Lockstep when several processes run this command
     try:
         _check_flags(args)
         if args.input_file is not None:
@@ -240,15 +241,16 @@ def main(argv: list[str] | None = None) -> int:
 
             validate_sampling_params(1.0, 1.0, 0, seed=args.seed + n - 1)  # prompt i samples with seed + i
         from dsv3_jax.parallel import flags as parallel_cli
-        from dsv3_jax.parallel import lockstep
 
-        parallel_cli.start(args)  # jax.distributed when several processes run this command
+        ls = parallel_cli.start(args)  # jax.distributed (and the lockstep) when several processes run this
         handle = _load(args)
-        if lockstep.is_follower():  # process 0 owns the prompts and the output; this one replays steps
-            lockstep.follow(handle)
+        if ls is not None and ls.is_follower:  # process 0 owns the prompts and the output; this one replays
+            ls.follow(handle)
             return 0
+        if ls is not None:
+            handle.executor_factory = ls.executor  # its engines announce each device operation
         handle.engine_defaults = parallel_cli.engine_defaults(handle, args, spec_k=args.mtp)
-        from dsv3_jax.engine.core import enable_compilation_cache
+        from dsv3_jax.engine.executor import enable_compilation_cache
 
         where = enable_compilation_cache()
         print(f"[dsv3_jax] compilation cache: {where or 'off'} (set DSV3_JAX_CACHE_DIR to move it, 'off' "
@@ -260,29 +262,27 @@ def main(argv: list[str] | None = None) -> int:
         else:
             _run_batch(handle, args)
     except (ValueError, OSError, jinja2.TemplateError) as e:  # ConfigError, CheckpointError, PlanError...
-        _stop_followers(e)
+        _stop_followers(ls, e)
         return report_error("generate", e)
     except DistributedError as e:  # a multi-process start-up failed, or process 0 failed (followers)
         report_error("generate", e)
         return 1
     except GenerationError as e:  # the engine stopped a request (e.g. non-finite logits): one line, exit 1
-        _stop_followers(e)
+        _stop_followers(ls, e)
         report_error("generate", e)
         return 1
     except KeyboardInterrupt:
-        _stop_followers("interrupted")
+        _stop_followers(ls, "interrupted")
         return 130
-    from dsv3_jax.parallel import lockstep
-
-    lockstep.finish()
+    if ls is not None:
+        ls.finish()
     return 0
 
 
-def _stop_followers(error: object) -> None:
+def _stop_followers(ls, error: object) -> None:
     """Multi-process: end the other processes with process 0's error (a no-op otherwise)."""
-    from dsv3_jax.parallel import lockstep
-
-    lockstep.fail(str(error))
+    if ls is not None:
+        ls.fail(str(error))
 
 
 if __name__ == "__main__":

@@ -72,9 +72,9 @@ def test_dp_engine_matches_one_device_and_keeps_pages_local(ckpt):
     # KV ([..., page_size, latent] arrays), as they do when the partitioner is left to place attention
     # (it all-gathers pool slices and all-reduces masked gathers of every token's pages).
     kv_tail = f",{PS},{handle.config.latent_dim}]"
-    from dsv3_jax.engine.core import _compiled_for
+    from dsv3_jax.engine.executor import compiled_programs
 
-    for compiled in _compiled_for(handle).values():
+    for compiled in compiled_programs(handle).values():
         hlo = compiled.as_text()
         moving = [ln for ln in hlo.splitlines() if kv_tail in ln.split("(")[0] and any(
             c in ln for c in ("all-gather(", "all-reduce(", "all-to-all(", "collective-permute("))]
@@ -86,7 +86,7 @@ def test_pool_is_split_never_replicated(ckpt, spec, d):
     handle = dsv3_jax.load(ckpt, mesh=spec)
     eng = Engine(handle, EngineConfig(num_pages=6 * d - 1, page_size=PS, max_batch=8))
     assert eng.pool.shards == d and eng.pool.num_pages % d == 0  # rounded up to whole slices
-    for leaf in jax.tree.leaves(eng.cache):
+    for leaf in jax.tree.leaves(eng.executor.cache):
         total = leaf.nbytes
         for s in leaf.addressable_shards:
             assert s.data.nbytes * d == total, (spec, leaf.shape, s.data.shape)

@@ -103,6 +103,6 @@ def test_engine_pool_sized_by_the_plan(tmp_path):
     assert p.batch_shards == 4 and p.num_pages == 4 * p.pages_per_shard
     eng = Engine(handle, EngineConfig(page_size=kv_cache.PAGE_SIZE, **got))
     assert eng.pool.num_pages == p.num_pages and eng.pool.shards == 4
-    per_dev = sum(s.data.nbytes for x in jax.tree.leaves(eng.cache) for s in x.addressable_shards
+    per_dev = sum(s.data.nbytes for x in jax.tree.leaves(eng.executor.cache) for s in x.addressable_shards
                   if s.device == jax.devices()[0])
     assert per_dev == p.kv_bytes_per_device

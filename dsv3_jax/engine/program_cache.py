@@ -1,19 +1,19 @@
 """Compiled engine step programs on disk, loaded without tracing: what makes a second server start fast.
 
-JAX's persistent compilation cache (enabled by the engine) skips XLA's compile, but it keys on the lowered
+JAX's persistent compilation cache (enabled by executor.py) skips XLA's compile, but it keys on the lowered
 program, so every start still traces and lowers each step program (the model, and Mosaic GPU's kernel
 lowering: seconds per program on the full-width model). This store keys a serialized executable on what
 determines the program instead, and loads it directly:
 
-  the step key and every trace-time setting (`Engine._compile_key`), the shapes, dtypes and shardings of
-  the params, cache and state, the mesh (axis names, shape, device ids), the model config, the versions
-  of jax and jaxlib, the devices' kind, and a hash of this package's and `pallas_kernels`' source files
-  (so an edited model or kernel never loads an old program).
+  the step key, the model's trace options and the XLA options (`executor.DeviceExecutor.compile_key`),
+  the shapes, dtypes and shardings of the params, cache and state, the mesh (axis names, shape, device
+  ids), the model config, the versions of jax and jaxlib, the devices' kind, and a hash of this
+  package's and `pallas_kernels`' source files (so an edited model or kernel never loads an old program).
 
 Files live beside JAX's cache (`<cache dir>/programs/<sha256>.bin`, written atomically); a file that
 fails to load is logged, removed and recompiled. Like JAX's own cache, a file is executable code: the
 directory must be as trusted as the user's home. Owns the key, the file format and the store.
-Must not decide which programs an engine needs (engine.py) nor compile anything.
+Must not decide which programs an engine needs (core.py) nor compile anything (executor.py).
 """
 
 from __future__ import annotations

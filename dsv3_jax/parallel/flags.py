@@ -4,7 +4,8 @@ Owns: `--tp/--dp/--ep` (shorthands for `--mesh tensor=..,data=..,expert=..`), `-
 `--memory-fraction`, `--device-memory`, `--max-batch`, `--max-batched-tokens`, `--n-activated-experts`
 and the multi-process flags (distributed.add_cli_flags); checking them before anything loads; the
 warm-up progress lines both CLIs print (`warmup_printer`); starting
-the processes (`start`: jax.distributed + the lockstep channel); and sizing the engine from the planner
+the processes (`start`: jax.distributed, and with several processes the engine's `lockstep.Lockstep`,
+which the caller hands to the loaded model or follows with); and sizing the engine from the planner
 (`engine_plan`: plan.pool_plan on the loaded model, the pool that `--memory-fraction` of each device
 leaves, printed once at start by process 0). Must not parse prompts, build engines or load weights.
 """
@@ -15,7 +16,7 @@ import argparse
 import sys
 from typing import Any
 
-from dsv3_jax.parallel import distributed, lockstep
+from dsv3_jax.parallel import distributed
 
 SHORTHANDS = (("tp", "tensor"), ("dp", "data"), ("ep", "expert"))
 
@@ -75,11 +76,14 @@ def check(args: argparse.Namespace) -> None:
         raise ValueError(f"--peer-timeout must be > 0 seconds, got {args.peer_timeout}")
 
 
-def start(args: argparse.Namespace) -> distributed.ProcessInfo:
-    """jax.distributed (flags, srun or mpirun) and, with several processes, the engine's lockstep."""
-    info = distributed.initialize_from_args(args)
-    lockstep.activate()
-    return info
+def start(args: argparse.Namespace) -> Any:
+    """jax.distributed (flags, srun or mpirun); with several processes, the engine's lockstep.Lockstep
+    over a new channel (None in one process). Process 0 sets `handle.executor_factory = ls.executor`
+    once the model is loaded; the others call `ls.follow(handle)` instead of building engines."""
+    from dsv3_jax.parallel import lockstep
+
+    distributed.initialize_from_args(args)
+    return lockstep.start()
 
 
 def device_memory(args: argparse.Namespace) -> int | None:

@@ -125,20 +125,23 @@ def main(argv: list[str] | None = None) -> int:
     from dsv3_jax.config import ConfigError
     from dsv3_jax.engine.core import EngineConfig
     from dsv3_jax.parallel import flags as parallel_cli
-    from dsv3_jax.parallel import lockstep
     from dsv3_jax.parallel.distributed import DistributedError
 
+    ls = None  # the engine's lockstep.Lockstep when several processes (hosts) run this command
     try:
         parallel_cli.check(args)
-        parallel_cli.start(args)  # jax.distributed when several processes (hosts) run this command
+        ls = parallel_cli.start(args)  # jax.distributed (and the lockstep) when several processes run this
         handle = load_handle(args)
-        if lockstep.is_follower():  # process 0 serves HTTP; this process replays its engine steps
-            lockstep.follow(handle)
+        if ls is not None and ls.is_follower:  # process 0 serves HTTP; this process replays its engine steps
+            ls.follow(handle)
             return 0
+        if ls is not None:
+            handle.executor_factory = ls.executor  # its engines announce each device operation
         parallel_cli.size_server_pool(handle, args, EngineConfig().num_pages, spec_k=args.spec_k)
         app, runner = build(args, handle)
     except (FileNotFoundError, ValueError, ConfigError) as e:
-        lockstep.fail(str(e))
+        if ls is not None:
+            ls.fail(str(e))
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except DistributedError as e:
@@ -150,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
     finally:
         runner.stop()
-        lockstep.finish()
+        if ls is not None:
+            ls.finish()
     return 0
 
 
