@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from dsv3_jax.api import ModelHandle
 from dsv3_jax.config import ModelConfig
 from dsv3_jax.engine.core import Engine, EngineConfig
+from dsv3_jax.engine.executor import DeviceExecutor
 from dsv3_jax.engine.paging import OutOfPages, PagePool
 from dsv3_jax.model.transformer import Transformer
 
@@ -63,6 +64,29 @@ def _prompts(n, lo=3, hi=40, seed=0):
 
 def _alone(handle, prompt, n):
     return handle.generate(prompt, max_new_tokens=n, temperature=0, ignore_eos=True).token_ids
+
+
+def test_engine_runs_on_an_injected_executor(handle):
+    """The core drives whatever executor it is given: every step goes through it, its compile counters are
+    the engine's, and the tokens equal those of the default executor's engine."""
+    cfg = dict(num_pages=32, page_size=16, max_batch=4, max_batched_tokens=64, chunk_size=16)
+    keys = []
+
+    class Recording(DeviceExecutor):
+        def execute(self, key, ints, floats):
+            keys.append(key)
+            return super().execute(key, ints, floats)
+
+    ex = Recording(handle, EngineConfig(**cfg))
+    eng = Engine(handle, EngineConfig(**cfg), executor=ex)
+    prompts = _prompts(3, seed=4)
+    got = [r.output for r in eng.generate(prompts, max_new_tokens=6)]
+    assert eng.executor is ex and eng.width == ex.width and len(keys) == eng.stats["steps"] > 3
+    assert all(k.width == ex.width for k in keys)
+    assert eng.stats["compiles"] == eng.engine_stats()["compiles"] == ex.stats["compiles"]
+    default = Engine(handle, EngineConfig(**cfg))
+    assert isinstance(default.executor, DeviceExecutor) and default.executor is not ex
+    assert [r.output for r in default.generate(prompts, max_new_tokens=6)] == got
 
 
 def test_continuous_batching_equals_alone_with_chunking_and_preemption(handle):
