@@ -27,8 +27,8 @@ step sampled for that sequence: then `src` names the request's slot in the devic
 
 The device step returns only small arrays (sampled ids, counts, a finite flag per row, drafts, and
 logprobs when asked) packed into one int32 (and one float32) buffer; the cache and the per-slot state
-stay on device (donated). Must not own scheduling policy (scheduler.py), request state (engine.py) or
-sampling rules (sampling.py).
+stay on device (donated; executor.py holds them). Must not own scheduling policy (scheduler.py),
+request state (core.py), device arrays or compiled programs (executor.py) or sampling rules (sampling.py).
 """
 
 from __future__ import annotations
