@@ -40,13 +40,15 @@ import jax.numpy as jnp  # noqa: E402
 
 from dsv3_jax.config import ModelConfig  # noqa: E402
 from dsv3_jax.model import moe  # noqa: E402
+from dsv3_jax.model.trace_options import TraceOptions  # noqa: E402
 from dsv3_jax.parallel import sharding  # noqa: E402
 
 ACT = 2  # bf16 activations
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+OPTIONS = TraceOptions()  # the default MoE dispatch ("auto") and capacity factor the compiled model uses
 
 # (mesh, phase, tokens per batch shard). Decode: B tokens per shard (one per sequence); prefill: a 4K
-# chunk per shard (above moe.ALL_GATHER_MAX_TOKENS per expert group, so the all-to-all path).
+# chunk per shard (above TraceOptions.all_gather_max_tokens per expert group, so the all-to-all path).
 LAYOUTS = [
     ("tensor=8", 8), ("expert=8", 8), ("data=2,tensor=4", 8),
     ("tensor=2,expert=8", 16), ("expert=16", 16), ("data=2,expert=8", 16),
@@ -90,12 +92,12 @@ def count(cfg: ModelConfig, sizes: dict[str, int], tokens: int, *, act: int = 4,
         if router_gathers:
             per_tok = 4 * (2 * cfg.n_routed_experts + cfg.n_group + 2 * cfg.topk_group)
             out["all-gather"] += n_moe * _ag(ep, ep * tokens * per_tok)
-        if moe.choose_dispatch(tokens * ep) == "all_gather":
+        if moe.choose_dispatch(tokens * ep, OPTIONS) == "all_gather":
             # Gather the group's tokens (+ routing weights and ids), reduce-scatter the partial outputs.
             out["all-gather"] += n_moe * _ag(ep, ep * (row + tokens * k * 8))
             out["reduce-scatter"] += n_moe * _ag(ep, ep * row)
         else:
-            cap, worst = moe.a2a_capacity(tokens, k, ep, e_loc)
+            cap, worst = moe.a2a_capacity(tokens, k, ep, e_loc, OPTIONS.capacity_factor)
             buf = ep * cap  # C rows per destination, padded: sent whether filled or not
             out["all-to-all"] += n_moe * _ag(ep, buf * d * act * 2 + buf * 4)  # tokens + ids, results back
             if cap < worst:  # the overflow check: a scalar pmax over the batch shards

@@ -31,9 +31,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dsv3_jax.config import ModelConfig  # noqa: E402
-from dsv3_jax.model import kernel_dispatch as kernels  # noqa: E402
 from dsv3_jax.model import kv_cache  # noqa: E402
 from dsv3_jax.model.kv_cache import PageMeta  # noqa: E402
+from dsv3_jax.model.trace_options import TraceOptions  # noqa: E402
 from dsv3_jax.model.transformer import Transformer  # noqa: E402
 
 
@@ -197,9 +197,9 @@ def decode_case(model, params, cfg, batch, ctx, reps, backend):
     toks = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, 1)), jnp.int32)
     pos = jnp.full((batch, 1), ctx, jnp.int32)
 
-    with kernels.force(backend):
-        f = jax.jit(lambda p, c: model.apply({"params": p}, toks, pos, c, meta)[0][:, -1].argmax(-1))
-        return timeit(lambda: f(params, cache), reps)
+    m = model.clone(trace_options=TraceOptions(kernels=backend))
+    f = jax.jit(lambda p, c: m.apply({"params": p}, toks, pos, c, meta)[0][:, -1].argmax(-1))
+    return timeit(lambda: f(params, cache), reps)
 
 
 def prefill_case(model, params, cfg, t: int, reps: int, rate_tflops: float) -> dict:
@@ -233,9 +233,9 @@ def check_paths(model, params, cfg) -> dict[str, float]:
     out = {}
     for backend in ("pallas", "reference"):
         cache = kv_cache.allocate(cfg, 1 + table.size, ps, "absorbed", jnp.bfloat16)
-        with kernels.force(backend):
-            f = jax.jit(lambda p, c: model.apply({"params": p}, toks, pos, c, meta)[0])
-            out[backend] = np.asarray(f(params, cache), np.float32)
+        m = model.clone(trace_options=TraceOptions(kernels=backend))
+        f = jax.jit(lambda p, c, m=m: m.apply({"params": p}, toks, pos, c, meta)[0])
+        out[backend] = np.asarray(f(params, cache), np.float32)
     a, r = out["pallas"], out["reference"]
     return {"prefill_rel_err": float(np.linalg.norm(a - r) / np.linalg.norm(r)),
             "top1_agree": float((a.argmax(-1) == r.argmax(-1)).mean())}

@@ -36,9 +36,9 @@ import e2e_bench  # noqa: E402
 
 from dsv3_jax.api import ModelHandle  # noqa: E402
 from dsv3_jax.engine.core import Engine, EngineConfig  # noqa: E402
-from dsv3_jax.model import kernel_dispatch as kernels  # noqa: E402
 from dsv3_jax.model import kv_cache  # noqa: E402
 from dsv3_jax.model.kv_cache import PageMeta  # noqa: E402
+from dsv3_jax.model.trace_options import TraceOptions  # noqa: E402
 
 # Before this work (issue 13, same slice and device, 2026-12-03): quoted, not re-measured here.
 BEFORE = {"bare_b1_ms": 4.20, "bare_b1_floor_ms": 1.14, "engine_1req_itl_ms": 7.01, "engine_1req_tok_s": 121,
@@ -131,9 +131,9 @@ def bare_step(model, params, cfg, batch: int, ctx: int, reps: int, backend: str,
     meta = PageMeta(jnp.asarray(table), jnp.ones((batch,), jnp.int32))
     toks = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, 1)), jnp.int32)
     pos = jnp.full((batch, 1), ctx, jnp.int32)
-    with kernels.force(backend):
-        f = jax.jit(lambda p, c: model.apply({"params": p}, toks, pos, c, meta)[0][:, -1].argmax(-1))
-        lowered = f.lower(params, cache)
+    m = model.clone(trace_options=TraceOptions(kernels=backend))
+    f = jax.jit(lambda p, c: m.apply({"params": p}, toks, pos, c, meta)[0][:, -1].argmax(-1))
+    lowered = f.lower(params, cache)
     t0 = time.perf_counter()
     comp = lowered.compile(compiler_options=options) if options else lowered.compile()
     compile_s = time.perf_counter() - t0

@@ -32,9 +32,9 @@ import dsv3_jax  # noqa: E402
 from dsv3_jax.api import ModelHandle  # noqa: E402
 from dsv3_jax.config import YarnScaling  # noqa: E402
 from dsv3_jax.formats.quantize import quantize_params  # noqa: E402
-from dsv3_jax.model import kernel_dispatch as kernels  # noqa: E402
 from dsv3_jax.model import kv_cache  # noqa: E402
 from dsv3_jax.model.kv_cache import PageMeta  # noqa: E402
+from dsv3_jax.model.trace_options import TraceOptions  # noqa: E402
 
 TRAIN_LEN = 512  # the default model's training windows (= its YaRN original context)
 
@@ -87,13 +87,10 @@ def ce_fn(handle: ModelHandle, cached: bool):
     return jax.jit(f)
 
 
-def token_ce(handle: ModelHandle, wins: np.ndarray, batch: int, *, cached: bool = True,
-             backend: str = "auto") -> np.ndarray:
-    """Cross-entropy [N, T-1] of every window, `batch` windows per call."""
-    with kernels.force(backend):
-        f = ce_fn(handle, cached)
-        out = [np.asarray(f(handle.params, jnp.asarray(wins[i:i + batch])))
-               for i in range(0, len(wins), batch)]
+def token_ce(handle: ModelHandle, wins: np.ndarray, batch: int, *, cached: bool = True) -> np.ndarray:
+    """Cross-entropy [N, T-1] of every window, `batch` windows per call (kernels: the handle's)."""
+    f = ce_fn(handle, cached)
+    out = [np.asarray(f(handle.params, jnp.asarray(wins[i:i + batch]))) for i in range(0, len(wins), batch)]
     return np.concatenate(out)
 
 
@@ -101,9 +98,11 @@ def ppl(ce: np.ndarray) -> float:
     return float(math.exp(float(np.mean(ce))))
 
 
-def variant(base: ModelHandle, params=None, **cfg_changes) -> ModelHandle:
+def variant(base: ModelHandle, params=None, trace_options: TraceOptions | None = None,
+            **cfg_changes) -> ModelHandle:
     return ModelHandle(base.config.replace(**cfg_changes), base.params if params is None else params,
-                       base.attention, None, base.path, base.tokenizer, base.generation_defaults)
+                       base.attention, None, base.path, base.tokenizer, base.generation_defaults,
+                       trace_options=base.trace_options if trace_options is None else trace_options)
 
 
 # -------------------------------------------------------------------------------------- sections
@@ -114,12 +113,13 @@ def sec_kernels(h: ModelHandle, held: np.ndarray, n: int, batch: int, backends: 
              "fp8-fp32-scales": lambda: quantize_params(h.params, ue8m0=False)}
     rows = []
     for name in weights:
-        hv = variant(h, quant[name]())
+        params = quant[name]()
         for be in backends:
             if _late():
                 return {"windows": len(wins), "seq": TRAIN_LEN, "rows": rows, "truncated": True}
             t0 = time.perf_counter()
-            rows.append({"weights": name, "backend": be, "ppl": ppl(token_ce(hv, wins, batch, backend=be)),
+            hv = variant(h, params, TraceOptions.resolve(be))
+            rows.append({"weights": name, "backend": be, "ppl": ppl(token_ce(hv, wins, batch)),
                          "tokens": int(wins.shape[0] * (wins.shape[1] - 1)),
                          "seconds": time.perf_counter() - t0})
             print(rows[-1], flush=True)
@@ -309,9 +309,9 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     _DEADLINE[0] = t0 + a.budget_s
     held = np.load(a.heldout)["heldout"].astype(np.int64)
-    h = dsv3_jax.load(dtype="float32" if a.cpu else None)
+    h = dsv3_jax.load(dtype="float32" if a.cpu else None, kernels="auto")
     res: dict = {"date": time.strftime("%Y-%m-%d"), "device_kind": jax.devices()[0].device_kind,
-                 "command": " ".join(sys.argv), "dtype": h.config.dtype, "kernels_auto": kernels.backend(),
+                 "command": " ".join(sys.argv), "dtype": h.config.dtype, "kernels_auto": h.trace_options.kernels,
                  "skipped": []}
 
     def save() -> None:

@@ -474,8 +474,9 @@ KERNELS = _cells(
 
     `dsv3_jax/model/kernel_dispatch.py` is the one switch between the Pallas Mosaic GPU kernels
     (`pallas_kernels/`: paged MLA decode/prefill, FP8 block-scaled GEMMs) and their plain-`jnp`
-    references. `auto` picks Pallas on a Hopper GPU; `kernels.force("reference" | "pallas")` overrides
-    it for the code traced inside.
+    references; each call takes its `backend`. The model's comes from its `TraceOptions`
+    (`dsv3_jax/model/trace_options.py`): `auto` picks Pallas on a Hopper GPU, and
+    `dsv3_jax.load(kernels="reference" | "pallas")` or the env var DSV3_KERNELS chooses.
 
     On a GPU this notebook times both backends at DeepSeek-V3 shapes. Without one it times the references
     at small shapes and plots the H200 results recorded in `benchmarks/results/*.json`.
@@ -487,19 +488,21 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from dsv3_jax.model import kernel_dispatch as kernels
+from dsv3_jax.model.trace_options import TraceOptions
 from dsv3_jax.notebook import Table
 from pallas_kernels import fp8_quant
 
 GPU = any(d.platform == "gpu" for d in jax.devices())
-print("devices:", jax.devices(), "| auto backend:", kernels.backend())
-BACKENDS = ["reference", "pallas"] if kernels.backend() == "pallas" else ["reference"]
+AUTO = TraceOptions.resolve("auto").kernels
+print("devices:", jax.devices(), "| auto backend:", AUTO)
+BACKENDS = ["reference", "pallas"] if AUTO == "pallas" else ["reference"]
 """),
     md("""
     ## 1. Timing both backends
 
     MLA decode (one new token per sequence attending over a paged latent cache of S tokens) and an FP8
     linear (activations quantized per token per 128 channels, e4m3 weights with 128x128 block scales).
-    The median of a few calls after a compile; the first call traces inside `kernels.force(...)`.
+    The median of a few calls after a compile; each backend is its own jitted function.
     """),
     code("""
 def bench(fn, *args, reps=5):
@@ -522,16 +525,14 @@ def mla_inputs(B, H, S, page=64):
     return q_lat, q_rope, pages, table, start, jnp.ones((B,), jnp.int32)
 
 def time_mla(backend, B, H, S):
-    with kernels.force(backend):
-        fn = jax.jit(lambda *a: kernels.mla_attention(*a, softmax_scale=0.1)[0])
-        return bench(fn, *mla_inputs(B, H, S))
+    fn = jax.jit(lambda *a: kernels.mla_attention(*a, softmax_scale=0.1, backend=backend)[0])
+    return bench(fn, *mla_inputs(B, H, S))
 
 def time_fp8(backend, M, N, K):
     k1, k2 = jax.random.split(jax.random.key(1))
     x = jax.random.normal(k1, (M, K), jnp.bfloat16)
     w, scale = fp8_quant.quantize_weight(0.02 * jax.random.normal(k2, (N, K), jnp.float32))
-    with kernels.force(backend):
-        return bench(jax.jit(kernels.fp8_linear), x, w, scale)
+    return bench(jax.jit(lambda *a: kernels.fp8_linear(*a, backend=backend)), x, w, scale)
 
 # DeepSeek-V3 shapes on a GPU; small ones on the CPU (the references only).
 MLA_SHAPES = [(8, 128, 4096), (64, 128, 4096)] if GPU else [(2, 16, 256)]

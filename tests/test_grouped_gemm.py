@@ -190,20 +190,18 @@ def test_dispatch_runs_the_kernel_for_bf16_and_never_ragged_dot(caplog):
     gs = jnp.array(sizes, jnp.int32)
     want = _numpy_grouped(x, w, sizes)
     for backend in ("pallas", "reference"):
-        with kernels.force(backend):
-            # A fresh function per backend: traces are cached per function, not per backend.
-            jaxpr = str(jax.make_jaxpr(lambda *a: kernels.grouped_matmul(*a))(x, w, gs))
-            out = kernels.grouped_matmul(x, w, gs)
+        jaxpr = str(jax.make_jaxpr(lambda *a, b=backend: kernels.grouped_matmul(*a, backend=b))(x, w, gs))
+        out = kernels.grouped_matmul(x, w, gs, backend=backend)
         assert "ragged_dot" not in jaxpr
         assert ("wgmma" in jaxpr) == (backend == "pallas")  # the kernel (interpreted here)
         assert out.dtype == jnp.bfloat16
         _assert_close(out.astype(jnp.float32), want, rtol=1e-2)
     # fp32 compute has no kernel: the reference runs, and says so (once per dtype).
     kernels._log_grouped_dtype_fallback.cache_clear()
-    with caplog.at_level(logging.WARNING, logger="dsv3_jax.model.kernel_dispatch"), kernels.force("pallas"):
+    with caplog.at_level(logging.WARNING, logger="dsv3_jax.model.kernel_dispatch"):
         xf = x.astype(jnp.float32)
-        jaxpr = str(jax.make_jaxpr(lambda *a: kernels.grouped_matmul(*a))(xf, w, gs))
-        out = kernels.grouped_matmul(xf, w, gs)
+        jaxpr = str(jax.make_jaxpr(lambda *a: kernels.grouped_matmul(*a, backend="pallas"))(xf, w, gs))
+        out = kernels.grouped_matmul(xf, w, gs, backend="pallas")
     assert "wgmma" not in jaxpr and "ragged_dot" not in jaxpr
     assert any("grouped GEMM kernel takes bf16/fp16" in r.getMessage() for r in caplog.records)
     _assert_close(out, _numpy_grouped(x.astype(jnp.float32), w.astype(jnp.float32), sizes), rtol=1e-4)
