@@ -51,7 +51,6 @@ def _device_limit(name: str) -> int | None:
 
 def summary_rows(handle: Any) -> list[tuple[str, str]]:
     """(field, value) rows describing the handle; the repr and the HTML table both render these."""
-    from dsv3_jax.model import kernel_dispatch as kernels
     from dsv3_jax.parallel import sharding
 
     c = handle.config
@@ -72,7 +71,7 @@ def summary_rows(handle: Any) -> list[tuple[str, str]]:
         ("context", f"{c.max_position_embeddings:,} tokens"
                     + (f" (YaRN x{c.rope_scaling.factor:g})" if c.rope_scaling is not None else "")),
         ("dtype", dtype),
-        ("kernels", kernels.backend()),
+        ("kernels", handle.trace_options.kernels),
         ("KV cache", f"{c.kv_bytes_per_token(handle.attention, jnp.dtype(c.dtype).itemsize):,} B per token "
                      f"({c.dtype}, {handle.attention} form, all layers)"),
         ("mesh", "none (one device)" if handle.mesh is None

@@ -174,11 +174,14 @@ def _recording(calls: set):
 
 @functools.cache
 def _model(name: str):
+    from dsv3_jax.model.trace_options import TraceOptions
     from dsv3_jax.model.transformer import Transformer
 
     cfg, fp8 = _model_config(name)
-    model = Transformer(cfg, jnp.bfloat16, fp8=fp8)
-    params = jax.eval_shape(lambda k: model.init(k, jnp.zeros((1, 1), jnp.int32))["params"],
+    model = Transformer(cfg, jnp.bfloat16, fp8=fp8, trace_options=TraceOptions(kernels="pallas"))
+    # The parameters do not depend on the trace options: shapes from the reference model's init.
+    ref = model.clone(trace_options=TraceOptions(kernels="reference"))
+    params = jax.eval_shape(lambda k: ref.init(k, jnp.zeros((1, 1), jnp.int32))["params"],
                             jax.random.key(0))
     return cfg, model, params
 
@@ -187,13 +190,12 @@ def model_kernel_calls(name: str, tokens: list[int], decode: bool = True) -> set
     """The distinct kernel calls of model `name` ("default" or "fp8_slice") over a [1, T] prompt (prefill)
     and, with `decode`, a [T, 1] ragged batch (one decode token per row), for each T in `tokens`, with a
     paged cache."""
-    from dsv3_jax.model import kernel_dispatch as kernels
     from dsv3_jax.model import kv_cache as cache_lib
 
-    cfg, model, params = _model(name)
+    cfg, model, params = _model(name)  # built with TraceOptions(kernels="pallas")
     pool = jax.eval_shape(lambda: cache_lib.allocate(cfg, _TABLE_PAGES + 1))
     calls: set = set()
-    with kernels.force("pallas"), _recording(calls):
+    with _recording(calls):
         for t in tokens:
             for b, q in ((1, t), (t, 1)) if decode else ((1, t),):
                 meta = cache_lib.PageMeta(sds((b, _TABLE_PAGES), jnp.int32), sds((b,), jnp.int32))

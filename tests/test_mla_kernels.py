@@ -370,7 +370,7 @@ def test_two_pass_merge_equals_the_one_reduce_merge():
 
 def test_chunk_adaptor_and_model_dispatch_route_to_kernel_and_reference(caplog):
     """`mla_chunk_attention` gives kernel and reference the same arguments;
-    `dsv3_jax.model.kernel_dispatch.mla_attention` routes through it (forced "pallas" runs the kernel here in
+    `dsv3_jax.model.kernel_dispatch.mla_attention` routes through it (backend "pallas" runs the kernel here in
     the interpreter) and still falls back to the reference, logged, for shapes the kernel cannot take."""
     import logging
 
@@ -385,13 +385,12 @@ def test_chunk_adaptor_and_model_dispatch_route_to_kernel_and_reference(caplog):
     out_r, lse_r = mla_chunk_attention(*args, softmax_scale=SCALE, use_kernel=False)
     assert out_k.dtype == kv.dtype and out_r.dtype == jnp.float32  # kernel in the cache's dtype
     _assert_close(out_k, lse_k, out_r, lse_r)
-    with kernels.force("pallas"):
-        out_m, lse_m = kernels.mla_attention(*args, softmax_scale=SCALE)
+    out_m, lse_m = kernels.mla_attention(*args, softmax_scale=SCALE, backend="pallas")
     np.testing.assert_array_equal(np.asarray(out_m, np.float32), np.asarray(out_k, np.float32))
     small = (ql[..., :32], qr[..., :8], kv[..., :40], table, sp, cl)  # a tiny model's widths
     kernels._log_mla_shape_fallback.cache_clear()
-    with caplog.at_level(logging.WARNING, logger="dsv3_jax.model.kernel_dispatch"), kernels.force("pallas"):
-        out_s, _ = kernels.mla_attention(*small, softmax_scale=SCALE)
+    with caplog.at_level(logging.WARNING, logger="dsv3_jax.model.kernel_dispatch"):
+        out_s, _ = kernels.mla_attention(*small, softmax_scale=SCALE, backend="pallas")
     assert "MLA kernel needs" in caplog.text
     ref_s, _ = mla_chunk_attention(*small, softmax_scale=SCALE, use_kernel=False)
     np.testing.assert_array_equal(np.asarray(out_s), np.asarray(ref_s))

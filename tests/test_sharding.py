@@ -12,6 +12,7 @@ import pytest
 
 import dsv3_jax
 from dsv3_jax.model import kv_cache, moe
+from dsv3_jax.model.trace_options import TraceOptions
 from dsv3_jax.parallel import sharding
 from dsv3_jax.parallel.sharding import MeshError
 from tests.hf_reference import make_hf_model, rel_err, save_hf
@@ -83,22 +84,22 @@ def test_layout_matches_one_device(models, kind, spec):
 ])
 def test_all_to_all_dispatch_matches(models, kind, spec, capacity):
     dst, tokens, ref_logits, _ = models(kind)
-    handle = dsv3_jax.load(dst, mesh=spec)
-    with moe.dispatch("all_to_all", capacity_factor=capacity):
-        logits = handle.forward(tokens)
+    options = TraceOptions.resolve(moe_dispatch="all_to_all", capacity_factor=capacity)
+    handle = dsv3_jax.load(dst, mesh=spec, trace_options=options)
+    logits = handle.forward(tokens)
     assert rel_err(logits, ref_logits) <= TOL, f"{spec}/a2a cf={capacity}: {rel_err(logits, ref_logits):.2e}"
 
 
 def test_capacity_and_dispatch_choice():
-    assert moe.a2a_capacity(n_local=64, k=8, ep=8, experts_per_shard=32) == (128, 512)
-    assert moe.a2a_capacity(n_local=2, k=8, ep=8, experts_per_shard=1)[0] == 2  # capped at the worst case
-    assert moe.choose_dispatch(64) == "all_gather"
-    assert moe.choose_dispatch(moe.ALL_GATHER_MAX_TOKENS + 1) == "all_to_all"
-    with moe.dispatch("all_to_all"):
-        assert moe.choose_dispatch(1) == "all_to_all"
+    assert moe.a2a_capacity(n_local=64, k=8, ep=8, experts_per_shard=32, capacity_factor=2.0) == (128, 512)
+    # capped at the worst case
+    assert moe.a2a_capacity(n_local=2, k=8, ep=8, experts_per_shard=1, capacity_factor=2.0)[0] == 2
+    auto = TraceOptions()
+    assert moe.choose_dispatch(64, auto) == "all_gather"
+    assert moe.choose_dispatch(auto.all_gather_max_tokens + 1, auto) == "all_to_all"
+    assert moe.choose_dispatch(1, auto.replace(moe_dispatch="all_to_all")) == "all_to_all"
     with pytest.raises(ValueError, match="dispatch"):
-        with moe.dispatch("ring"):
-            pass
+        TraceOptions(moe_dispatch="ring")
 
 
 def _sharded_cache(handle, b: int, max_len: int):
