@@ -3,7 +3,8 @@
 Owns: the frozen `ModelConfig` dataclass, its validation (every field type- and range-checked, errors
 name the field and the value), `generation_config.json`'s sampling fields (`read_generation_config`),
 reading a JSON object file (`read_json_object`), presets, and the
-derived sizes (parameter counts, weight bytes, KV-cache bytes per token). Must not touch arrays.
+derived sizes (parameter counts, weight bytes). The arrays' shapes and the KV-cache bytes per token
+derive from model/layout.py. Must not touch arrays.
 """
 
 from __future__ import annotations
@@ -166,16 +167,6 @@ class ModelConfig:
         linear = total - embed - norms_router - d
         scales = linear // (128 * 128) * 4
         return linear + scales + 2 * (total - linear)
-
-    def kv_bytes_per_token(self, form: str = "absorbed", bytes_per_value: int = 2) -> int:
-        """Cache bytes per token over all layers: absorbed 576 x 2 x 61 = 70,272 for DeepSeek-V3."""
-        if form == "absorbed":
-            per_layer = self.latent_dim
-        elif form == "naive":
-            per_layer = self.num_attention_heads * (self.qk_head_dim + self.v_head_dim)
-        else:
-            raise ConfigError(f"kv_bytes_per_token: form must be 'absorbed' or 'naive', got {form!r}")
-        return per_layer * bytes_per_value * self.num_hidden_layers
 
     # ---------------------------------------------------------------- validation
     def __post_init__(self) -> None:

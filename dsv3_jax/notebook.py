@@ -13,7 +13,6 @@ from collections import defaultdict
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 
 def _gb(n: float) -> str:
@@ -51,6 +50,7 @@ def _device_limit(name: str) -> int | None:
 
 def summary_rows(handle: Any) -> list[tuple[str, str]]:
     """(field, value) rows describing the handle; the repr and the HTML table both render these."""
+    from dsv3_jax.model import layout
     from dsv3_jax.parallel import sharding
 
     c = handle.config
@@ -72,7 +72,7 @@ def summary_rows(handle: Any) -> list[tuple[str, str]]:
                     + (f" (YaRN x{c.rope_scaling.factor:g})" if c.rope_scaling is not None else "")),
         ("dtype", dtype),
         ("kernels", handle.trace_options.kernels),
-        ("KV cache", f"{c.kv_bytes_per_token(handle.attention, jnp.dtype(c.dtype).itemsize):,} B per token "
+        ("KV cache", f"{layout.bytes_per_token(c, handle.attention):,} B per token "
                      f"({c.dtype}, {handle.attention} form, all layers)"),
         ("mesh", "none (one device)" if handle.mesh is None
          else f"{sharding.describe(handle.mesh)} ({handle.mesh.size} devices)"),

@@ -1,8 +1,8 @@
 """The memory planner: will this model fit on this mesh, and how much KV cache is left?
 
-Owns: per-device byte counts derived from the *same* sharding tables the loader uses (parameter shapes
-from an abstract `Transformer.init`, never loaded; shard shapes from sharding.PARAM_AXES /
-LOGICAL_RULES), the KV budget (absorbed MLA cache: 576 values x 2 bytes x 61 layers = 70,272 B per
+Owns: per-device byte counts derived from the *same* declarations the loader uses (parameter and cache
+shapes, dtypes and logical axes from model/layout.py, never loaded or allocated; shard shapes through
+sharding.LOGICAL_RULES), the KV budget (absorbed MLA cache: 576 values x 2 bytes x 61 layers = 70,272 B per
 token for DeepSeek-V3, each device holding whole sequences because the cache is batch-sharded), the
 `plan(...)` function `load()` calls to refuse a plan that cannot fit (its inputs checked: dtype,
 lengths, memory, a reserve that is negative, NaN or larger than the device), and the CLI:
@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv3_jax.config import ModelConfig
+from dsv3_jax.model import layout
 from dsv3_jax.parallel import sharding
 
 DTYPES = ("bf16", "fp8", "fp32")
@@ -71,29 +72,28 @@ def load_config(name_or_path: str | Path) -> ModelConfig:
     return ModelConfig.from_json(name_or_path)
 
 
-@functools.lru_cache(maxsize=8)
-def param_shapes(cfg: ModelConfig, dtype: str = "bf16", include_mtp: bool = True) -> Any:
-    """The parameter tree as ShapeDtypeStructs (abstract init: no memory, ~3 s for the 671B model)."""
-    from dsv3_jax.model.transformer import Transformer
-
+def param_layout(cfg: ModelConfig, dtype: str = "bf16", include_mtp: bool = True) -> Any:
+    """The parameter layout (tree of layout.ArrayInfo) of weights stored as `dtype` (DTYPES): fp8 is the
+    official format (FP8 linears + fp32 block scales, the rest bf16)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
-    param_dtype = jnp.float32 if dtype == "fp32" else jnp.bfloat16
-    if dtype == "fp32" or dtype == "bf16":
-        cfg = cfg.replace(dtype="float32" if dtype == "fp32" else "bfloat16")
-    model = Transformer(cfg, param_dtype, dtype == "fp8")
-    tokens = jnp.zeros((1, 1), jnp.int32)
-    tree = jax.eval_shape(lambda: model.init(jax.random.key(0), tokens, method=model.init_all))["params"]
-    if not include_mtp:
-        tree = {k: v for k, v in tree.items() if k != "mtp"}
-    return tree
+    return layout.param_layout(cfg, jnp.float32 if dtype == "fp32" else jnp.bfloat16, include_mtp,
+                               fp8=dtype == "fp8")
+
+
+@functools.lru_cache(maxsize=8)
+def param_shapes(cfg: ModelConfig, dtype: str = "bf16", include_mtp: bool = True) -> Any:
+    """The parameter tree as ShapeDtypeStructs (from the layout: no memory, no tracing)."""
+    return layout.structs(param_layout(cfg, dtype, include_mtp))
 
 
 def tree_bytes_per_device(tree: Any, specs: Any, sizes: Mapping[str, int]) -> tuple[int, int, int]:
-    """(total bytes, bytes per device, replicated bytes per device) of `tree` sharded by `specs`."""
+    """(total bytes, bytes per device, replicated bytes per device) of `tree` (arrays, ShapeDtypeStructs
+    or layout.ArrayInfo) sharded by `specs`."""
     total = per_dev = replicated = 0
-    for x, spec in zip(jax.tree.leaves(tree), jax.tree.leaves(specs, is_leaf=lambda s: isinstance(
-            s, jax.sharding.PartitionSpec)), strict=True):
+    leaves = jax.tree.leaves(tree, is_leaf=layout.is_info)
+    spec_leaves = jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec))
+    for x, spec in zip(leaves, spec_leaves, strict=True):
         item = jnp.dtype(x.dtype).itemsize
         shard = sharding.shard_shape(x.shape, spec, sizes)
         total += math.prod(x.shape) * item
@@ -104,7 +104,8 @@ def tree_bytes_per_device(tree: Any, specs: Any, sizes: Mapping[str, int]) -> tu
 
 
 def cache_bytes_per_device(cache_or_shapes: Any, sizes: Mapping[str, int]) -> int:
-    """Bytes one device holds of a cache tree (cache.py layout) sharded by sharding.CACHE_AXES."""
+    """Bytes one device holds of a cache tree (layout.cache_layout, or arrays of it) sharded by its
+    logical axes."""
     return tree_bytes_per_device(cache_or_shapes, sharding.cache_specs(cache_or_shapes), sizes)[1]
 
 
@@ -232,11 +233,12 @@ def plan(cfg: ModelConfig, mesh: str | Mapping[str, int] | Any, *, dtype: str = 
     if reserve_b >= mem:
         raise ValueError(f"reserve ({fmt_bytes(reserve_b)}) leaves nothing of the device memory "
                          f"({fmt_bytes(mem)})")
-    tree = params_or_shapes if params_or_shapes is not None else param_shapes(cfg, dtype, include_mtp)
+    tree = params_or_shapes if params_or_shapes is not None else param_layout(cfg, dtype, include_mtp)
     total, per_dev, rep = tree_bytes_per_device(tree, sharding.param_specs(tree), sizes)
     return Plan(mesh=sizes, dtype=dtype, max_seq_len=max_seq_len, device_memory=mem, reserve=reserve_b,
                 weight_bytes_total=total, weight_bytes_per_device=per_dev, replicated_bytes_per_device=rep,
-                kv_bytes_per_token=cfg.kv_bytes_per_token("absorbed", 4 if dtype == "fp32" else 2),
+                kv_bytes_per_token=layout.bytes_per_token(cfg, "absorbed",
+                                                          jnp.float32 if dtype == "fp32" else jnp.bfloat16),
                 batch_shards=sharding.mesh_size(sharding.LOGICAL_RULES["batch"], sizes))
 
 
@@ -332,8 +334,8 @@ def pool_plan(cfg: ModelConfig, mesh: str | Mapping[str, int] | Any, *, dtype: s
               max_batched_tokens: int = 512, max_batch: int = 32, activation_bytes: int | None = None,
               params_or_shapes: Any = None, include_mtp: bool = True) -> PoolPlan:
     """Size the engine's page pool: what `memory_fraction` of each device leaves after the weights and
-    one step's activations, in whole pages (the cache layout of cache.py, sharded by sharding.CACHE_AXES:
-    each batch shard's devices hold only that shard's slice). Raises PlanError, with the numbers, when
+    one step's activations, in whole pages (layout.cache_layout, sharded by its logical axes: each batch
+    shard's devices hold only that shard's slice). Raises PlanError, with the numbers, when
     not even one `max_model_len`-token request fits a shard's slice.
     """
     from dsv3_jax.model import kv_cache
@@ -350,8 +352,7 @@ def pool_plan(cfg: ModelConfig, mesh: str | Mapping[str, int] | Any, *, dtype: s
     weights = plan(cfg, mesh, dtype=dtype, max_seq_len=max_model_len, device_memory=device_memory,
                    reserve=0, params_or_shapes=params_or_shapes, include_mtp=include_mtp)
     sizes, d = weights.mesh, weights.batch_shards
-    two_pages_each = jax.eval_shape(lambda: kv_cache.allocate(cfg, 2 * d, page_size, form, cache_dtype,
-                                                              mtp=mtp))
+    two_pages_each = layout.cache_layout(cfg, 2 * d, page_size, form, cache_dtype, mtp)
     page_bytes = cache_bytes_per_device(two_pages_each, sizes) // 2
     measured = activation_bytes is not None
     act = int(activation_bytes) if measured else activation_estimate(

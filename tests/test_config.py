@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 
+import jax.numpy as jnp
 import pytest
 
 from dsv3_jax.config import ConfigError, ModelConfig
+from dsv3_jax.model import layout
 
 
 def test_deepseek_v3_sizes():
@@ -15,11 +17,11 @@ def test_deepseek_v3_sizes():
     active = c.param_count(activated=True)
     assert 670e9 < total < 672e9, total  # "671B"
     assert 36.5e9 < active < 38e9, active  # "37B activated"
-    assert c.kv_bytes_per_token("absorbed") == 576 * 2 * 61 == 70_272
-    assert c.kv_bytes_per_token("naive") == 128 * (192 + 128) * 2 * 61
+    assert layout.bytes_per_token(c, "absorbed", jnp.bfloat16) == 576 * 2 * 61 == 70_272
+    assert layout.bytes_per_token(c, "naive", jnp.bfloat16) == 128 * (192 + 128) * 2 * 61
     assert 13e9 < c.mtp_params() < 15e9  # the MTP module (~14B beside the 671B)
     # 128K-token request in the absorbed cache: the seeds' ~8.6 GB.
-    assert abs(c.kv_bytes_per_token() * 131072 / 1e9 - 9.2) < 0.1  # 9.21 GB = 8.58 GiB
+    assert abs(layout.bytes_per_token(c) * 131072 / 1e9 - 9.2) < 0.1  # 9.21 GB = 8.58 GiB
     assert 1.3e12 < c.weight_bytes("bf16") < 1.4e12  # "1.34 TB" BF16
     assert 0.65e12 < c.weight_bytes("fp8") < 0.72e12  # "~0.7 TB" FP8
 

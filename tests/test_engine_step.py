@@ -17,7 +17,7 @@ from dsv3_jax.api import ModelHandle
 from dsv3_jax.config import ModelConfig
 from dsv3_jax.engine import step
 from dsv3_jax.engine.core import Engine, EngineConfig
-from dsv3_jax.model import kv_cache
+from dsv3_jax.model import kv_cache, layout
 from dsv3_jax.model.attention import MLA
 from dsv3_jax.model.kv_cache import PageMeta
 from dsv3_jax.model.transformer import Transformer
@@ -206,10 +206,12 @@ def test_cache_layout_has_one_owner():
 
     assert kv_cache.PAGE_SIZE == PAGE_SIZE  # the kernel keeps its own copy (no dsv3_jax import)
     v3 = ModelConfig.preset("deepseek-v3")
-    assert kv_cache.bytes_per_token(v3, "absorbed", jnp.bfloat16) == 70_272 == v3.kv_bytes_per_token()
-    assert kv_cache.bytes_per_token(CFG, "naive", jnp.bfloat16) == CFG.kv_bytes_per_token("naive")
+    assert layout.bytes_per_token(v3, "absorbed", jnp.bfloat16) == 70_272 == 576 * 2 * 61
+    h = CFG.num_attention_heads
+    assert layout.bytes_per_token(CFG, "naive", jnp.bfloat16) == \
+        h * (CFG.qk_head_dim + CFG.v_head_dim) * 2 * CFG.num_hidden_layers
     shapes = jax.eval_shape(lambda: kv_cache.allocate(CFG, 4, form="naive"))
-    assert set(shapes["moe_layers"]) == set(kv_cache.LEAVES["naive"])
+    assert set(shapes["moe_layers"]) == set(layout.CACHE_LEAVES["naive"])
 
 
 def test_step_shapes_cover_every_load_and_warmup_compiles_them_all(params):

@@ -12,7 +12,7 @@ import pytest
 
 from dsv3_jax import plan
 from dsv3_jax.api import tiny_default
-from dsv3_jax.model import kv_cache
+from dsv3_jax.model import kv_cache, layout
 from dsv3_jax.model.moe import route
 from dsv3_jax.notebook import Table, memory_per_device
 from dsv3_jax.parallel import sharding
@@ -160,7 +160,7 @@ def test_cache_pages_hold_the_sequence_latents(h, captured):
     assert not flat[:, n:].any()  # slots past the sequence stay unwritten
     rows = pages.table()
     assert [r["tokens"] for r in rows] == pages.page_fill()
-    assert rows[0]["bytes_all_layers"] == 4 * c.kv_bytes_per_token("absorbed", 4)
+    assert rows[0]["bytes_all_layers"] == 4 * layout.bytes_per_token(c, "absorbed", jnp.float32)
 
 
 def test_cache_pages_naive_form(h):

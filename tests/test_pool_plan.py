@@ -10,7 +10,7 @@ import pytest
 
 from dsv3_jax import plan
 from dsv3_jax.config import ModelConfig
-from dsv3_jax.model import kv_cache
+from dsv3_jax.model import kv_cache, layout
 from dsv3_jax.parallel import sharding
 from tests.mesh_models import MESH_CONFIGS  # noqa: F401  (the mesh-sized test configs)
 
@@ -22,7 +22,7 @@ def test_pool_pages_match_the_plan_and_the_devices(spec):
     frac, act = 0.5, 3 * 2**20
     w = plan.plan(TINY, spec, dtype="fp32", device_memory="1GB", reserve=0)
     # One page of every layer, the tiny model's absorbed latent, fp32, on one device.
-    page_b = TINY.kv_bytes_per_token("absorbed", 4) * 16
+    page_b = layout.bytes_per_token(TINY, "absorbed", jnp.float32) * 16
     mem = int((w.weight_bytes_per_device + act + 70.5 * page_b) / frac)  # room for 70 whole pages
     p = plan.pool_plan(TINY, spec, dtype="fp32", max_model_len=512, device_memory=mem, memory_fraction=frac,
                        page_size=16, activation_bytes=act, cache_dtype=jnp.float32)
@@ -54,7 +54,7 @@ def test_estimated_activations_grow_with_the_step():
 
 def test_refuses_when_one_request_cannot_fit():
     w = plan.plan(TINY, "expert=8", dtype="fp32", device_memory="1GB", reserve=0)
-    page_b = TINY.kv_bytes_per_token("absorbed", 4) * 64
+    page_b = layout.bytes_per_token(TINY, "absorbed", jnp.float32) * 64
     # Room for scratch + 7 pages, but a 512-token request needs 8.
     mem = w.weight_bytes_per_device + 8 * page_b
     with pytest.raises(plan.PlanError, match=r"no room for one 512-token request: .* 7 usable pages, but one "

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import dsv3_jax
-from dsv3_jax.model import kv_cache, moe
+from dsv3_jax.model import kv_cache, layout, moe
 from dsv3_jax.model.trace_options import TraceOptions
 from dsv3_jax.parallel import sharding
 from dsv3_jax.parallel.sharding import MeshError
@@ -247,7 +247,7 @@ def test_rules_table_covers_every_parameter():
         assert specs["moe_layers"]["mlp"]["gate_proj_weight"] == jax.sharding.PartitionSpec(
             None, "expert", "tensor", None)
     with pytest.raises(KeyError, match="PARAM_AXES"):
-        sharding.param_axes("moe_layers/mlp/new_thing", 2)
+        layout.param_axes("moe_layers/mlp/new_thing", 2)
     handle_like = dataclasses.make_dataclass("X", [("shape", tuple)])
     assert sharding.param_specs({"norm": {"weight": handle_like((4,))}})["norm"]["weight"] == \
         jax.sharding.PartitionSpec(None)

@@ -1,18 +1,18 @@
-"""Paged KV caches: the one owner of the cache layout, its metadata and the page read/write helpers.
+"""Paged KV caches: allocation from the declared layout, page metadata and the page read/write helpers.
 
-Owns the cache layout. Absorbed form: leaf `pages [L, P, page_size, kv_lora_rank + rope]` (576 values
-per token per layer for V3); naive form: `k_pages [L, P, page_size, H, 192]`, `v_pages [L, P,
-page_size, H, 128]` (`LEAVES` names them, `token_shapes` gives their per-token shapes, `bytes_per_token`
-derives the cost). One pytree per scanned stack (dense_layers, moe_layers) plus the MTP layer. A
-sequence's logical page i (positions i*page_size ...) lives in physical page `block_table[b, i]`;
-physical page 0 is scratch that is never handed out (padding tokens are written there). The page size
-is `PAGE_SIZE` (the MLA kernels keep their own copy, `pallas_kernels.mla_common.PAGE_SIZE`, since kernels
-import nothing from dsv3_jax; a test ties the two). `write_pages` / `gather_pages` are the only code
-that indexes pages (`layer_view` hands them one layer of a scanned stack without slicing it out);
-`clear_pages` zeroes pages (a request whose numbers went non-finite must not leave
-NaN where the next owner's masked slots would read it). `contiguous_table` gives each sequence its own
-fixed run of pages; the engine allocates pages on demand.
-Must not know the model's math or scheduling policy.
+The cache layout (leaf names, shapes, dtypes, logical axes) is declared once in `layout.cache_layout`:
+absorbed form `pages [L, P, page_size, kv_lora_rank + rope]` (576 values per token per layer for V3),
+naive form `k_pages` / `v_pages`, one subtree per scanned stack plus the MTP layer; `allocate` is its
+zeros and `layout.bytes_per_token` its cost. A sequence's logical page i (positions i*page_size ...)
+lives in physical page `block_table[b, i]`; physical page 0 is scratch that is never handed out (padding
+tokens are written there). The page size is `PAGE_SIZE` (the MLA kernels keep their own copy,
+`pallas_kernels.mla_common.PAGE_SIZE`, since kernels import nothing from dsv3_jax; a test ties the two).
+`write_pages` / `gather_pages` are the only code that indexes pages (`layer_view` hands them one layer
+of a scanned stack without slicing it out); `clear_pages` zeroes pages (a request whose numbers went
+non-finite must not leave NaN where the next owner's masked slots would read it). `contiguous_table`
+gives each sequence its own fixed run of pages; the engine allocates pages on demand.
+Owns: `PAGE_SIZE`, `PageMeta`, allocation and every page index. Must not declare cache shapes (layout.py),
+know the model's math or scheduling policy.
 """
 
 from __future__ import annotations
@@ -24,10 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv3_jax.config import ModelConfig
+from dsv3_jax.model import layout
 
 PAGE_SIZE = 64  # the MLA kernel's page; one TMA load of 64 x 576 bf16
-FORMS = ("absorbed", "naive")
-LEAVES = {"absorbed": ("pages",), "naive": ("k_pages", "v_pages")}
 
 
 @jax.tree_util.register_dataclass
@@ -47,43 +46,13 @@ class PageMeta:
         return jnp.arange(t)[None, :] < self.chunk_lens[:, None]
 
 
-def token_shapes(cfg: ModelConfig, form: str = "absorbed") -> dict[str, tuple[int, ...]]:
-    """Per-token, per-layer shape of each cache leaf of `form`."""
-    if form == "absorbed":
-        return {"pages": (cfg.latent_dim,)}
-    if form == "naive":
-        h = cfg.num_attention_heads
-        return {"k_pages": (h, cfg.qk_head_dim), "v_pages": (h, cfg.v_head_dim)}
-    raise ValueError(f"cache form must be one of {FORMS}, got {form!r}")
-
-
-def bytes_per_token(cfg: ModelConfig, form: str = "absorbed", dtype=None, mtp: bool = False) -> int:
-    """Cache bytes one token costs over all layers (absorbed V3, bf16: 576 x 2 x 61 = 70,272)."""
-    per_layer = sum(int(np.prod(s)) for s in token_shapes(cfg, form).values())
-    layers = cfg.num_hidden_layers + (1 if mtp and cfg.num_nextn_predict_layers else 0)
-    return per_layer * jnp.dtype(dtype or cfg.dtype).itemsize * layers
-
-
-def _layer_pages(cfg: ModelConfig, layers: tuple[int, ...], num_pages: int, page_size: int, form: str,
-                 dtype) -> dict:
-    return {name: jnp.zeros((*layers, num_pages, page_size, *shape), dtype)
-            for name, shape in token_shapes(cfg, form).items()}
-
-
 def allocate(cfg: ModelConfig, num_pages: int, page_size: int = PAGE_SIZE, form: str = "absorbed",
              dtype=None, mtp: bool = False) -> dict:
-    """A zeroed page pool of `num_pages` pages (page 0 included) for every layer."""
+    """A zeroed page pool of `num_pages` pages (page 0 included) for every layer: `layout.cache_layout`."""
     if num_pages < 2:
         raise ValueError(f"num_pages must be >= 2 (page 0 is scratch), got {num_pages}")
-    dtype = jnp.dtype(dtype or cfg.dtype)
-    cache = {}
-    if cfg.n_dense_layers:
-        cache["dense_layers"] = _layer_pages(cfg, (cfg.n_dense_layers,), num_pages, page_size, form, dtype)
-    if cfg.n_moe_layers:
-        cache["moe_layers"] = _layer_pages(cfg, (cfg.n_moe_layers,), num_pages, page_size, form, dtype)
-    if mtp and cfg.num_nextn_predict_layers:
-        cache["mtp"] = _layer_pages(cfg, (), num_pages, page_size, form, dtype)
-    return cache
+    declared = layout.cache_layout(cfg, num_pages, page_size, form, dtype, mtp)
+    return jax.tree.map(lambda i: jnp.zeros(i.shape, i.dtype), declared, is_leaf=layout.is_info)
 
 
 def pages_for(tokens: int, page_size: int = PAGE_SIZE) -> int:
@@ -152,7 +121,7 @@ def gather_pages(pages: jax.Array, block_table: jax.Array) -> jax.Array:
 def clear_pages(cache: dict, pages: jax.Array) -> dict:
     """Zero physical `pages` [n] (int32; 0 entries touch only the scratch page) in every leaf."""
     def clear(path, x):
-        stacked = getattr(path[0], "key", None) in ("dense_layers", "moe_layers")
+        stacked = getattr(path[0], "key", None) in layout.STACKS
         return x.at[:, pages].set(0) if stacked else x.at[pages].set(0)
 
     return jax.tree_util.tree_map_with_path(clear, cache)

@@ -1,11 +1,13 @@
-"""Meshes and the one table that maps every array of the model onto them.
+"""Meshes and the one table that maps the model's logical axes onto them.
 
 Owns: building a `jax.sharding.Mesh` with the axes `data`, `tensor`, `expert` from a spec string
 ("data=2,tensor=2,expert=2"), checking it against the device count and the model (heads, experts,
 vocabulary and FFN widths must divide their axes), and the logical-axis rules: `LOGICAL_RULES` says
-which mesh axes each *logical* axis lives on, `PARAM_AXES` / `CACHE_AXES` / `ACTIVATION_AXES` name the
-logical axes of every parameter, cache and activation array. Shardings are derived from these tables
-and nowhere else. Must not own model math or the MoE collectives (moe.py reads the mesh).
+which mesh axes each logical axis of `layout.LOGICAL_AXES` lives on; `ACTIVATION_AXES` names the logical
+axes of the activations. The logical axes of every parameter and cache leaf are declared in
+model/layout.py (`param_layout`, `cache_layout`, looked up by leaf name for any tree of that layout);
+parameter and cache shardings are derived from them through LOGICAL_RULES and nowhere else.
+Must not own model math, leaf shapes or names (layout.py), or the MoE collectives (moe.py reads the mesh).
 
 The layout, in one paragraph (DeepSeek-V3 inference, SGLang-style "DP attention + EP"):
 - `tensor` splits attention heads (q_b / kv_b outputs, o_proj input), the vocabulary of the embedding
@@ -29,6 +31,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dsv3_jax.config import ModelConfig
+from dsv3_jax.model import layout
 
 # Mesh axes, outermost first: data crosses hosts most cheaply; tensor talks most, so it is innermost
 # (neighbouring devices, NVLink).
@@ -37,7 +40,8 @@ AXES = ("data", "expert", "tensor")
 MeshAxes = str | tuple[str, ...] | None
 
 # ------------------------------------------------------------------------------------------------------
-# THE table: logical axis -> mesh axes. Change a layout here and nowhere else.
+# THE table: logical axis (layout.LOGICAL_AXES, every one) -> mesh axes. Change a sharding here and
+# nowhere else.
 LOGICAL_RULES: dict[str, MeshAxes] = {
     "batch": ("data", "expert"),  # sequences: activations and the latent cache (DP attention)
     "seq": None,
@@ -59,45 +63,6 @@ LOGICAL_RULES: dict[str, MeshAxes] = {
     "concat_embed": None,  # MTP eh_proj input [embed ; hidden]
 }
 
-# Parameter name (a suffix of its '/'-joined path) -> logical axes, *without* the scan axis (added for
-# leaves under dense_layers/ and moe_layers/). Linear weights are [out, in]; FP8 scales
-# ("<x>/scale", "<x>_scale") share their weight's axes (one scale per 128x128 block).
-PARAM_AXES: dict[str, tuple[str | None, ...]] = {
-    "embed_tokens/embedding": ("vocab", "embed"),
-    "lm_head/weight": ("vocab", "embed"),
-    "shared_head_head/weight": ("vocab", "embed"),
-    "norm/weight": ("norm",),  # every RMSNorm: norm, *_layernorm, enorm, hnorm, shared_head_norm
-    "self_attn/q_proj/weight": ("heads", "embed"),
-    "self_attn/q_a_proj/weight": ("q_lora", "embed"),
-    "self_attn/q_b_proj/weight": ("heads", "q_lora"),
-    "self_attn/kv_a_proj_with_mqa/weight": ("kv_latent", "embed"),
-    "self_attn/kv_b_proj/weight": ("heads", "kv_latent"),
-    "self_attn/o_proj/weight": ("embed", "heads"),
-    "mlp/gate_proj/weight": ("mlp", "embed"),
-    "mlp/up_proj/weight": ("mlp", "embed"),
-    "mlp/down_proj/weight": ("embed", "mlp"),
-    "shared_experts/gate_proj/weight": ("shared_mlp", "embed"),
-    "shared_experts/up_proj/weight": ("shared_mlp", "embed"),
-    "shared_experts/down_proj/weight": ("embed", "shared_mlp"),
-    "mlp/gate_weight": ("router", "embed"),
-    "mlp/e_score_correction_bias": ("router",),
-    "mlp/gate_proj_weight": ("experts", "expert_mlp", "embed"),
-    "mlp/up_proj_weight": ("experts", "expert_mlp", "embed"),
-    "mlp/down_proj_weight": ("experts", "embed", "expert_mlp"),
-    "eh_proj/weight": ("embed", "concat_embed"),
-}
-
-# Cache leaves (cache.py layout, without the scan axis): contiguous per-sequence slots [B, S, ...] or a
-# paged pool [P, page_size, ...]. A pool is split by pages over the batch axes: the engine must give a
-# sequence of batch shard s pages from shard s's slice [s*P/n, (s+1)*P/n) so attention stays local.
-CACHE_AXES: dict[str, tuple[str | None, ...]] = {
-    "latent": ("batch", "seq", "kv_latent"),
-    "k": ("batch", "seq", "heads", "head_dim"),
-    "v": ("batch", "seq", "heads", "head_dim"),
-    "pages": ("cache_pages", "page_slot", "kv_latent"),
-    "k_pages": ("cache_pages", "page_slot", "heads", "head_dim"),
-    "v_pages": ("cache_pages", "page_slot", "heads", "head_dim"),
-}
 ACTIVATION_AXES: dict[str, tuple[str | None, ...]] = {
     "tokens": ("batch", "seq"),
     "hidden": ("batch", "seq", "embed"),
@@ -105,7 +70,8 @@ ACTIVATION_AXES: dict[str, tuple[str | None, ...]] = {
     "moe_tokens": ("batch", "embed"),  # flattened [B*T, D] inside the MoE
 }
 
-_STACKS = ("dense_layers", "moe_layers")
+# moe.py reads the routed experts' axes here (the one table is layout.PARAM_AXES).
+PARAM_AXES = layout.PARAM_AXES
 
 
 class MeshError(ValueError):
@@ -257,59 +223,36 @@ def logical_to_spec(axes: Sequence[str | None]) -> P:
     return P(*spec)
 
 
-def _path_str(path: Sequence[Any]) -> str:
-    return "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+def _leaf_specs(tree: Any, axes_of) -> Any:
+    """PartitionSpecs of a tree: an ArrayInfo leaf by its declared logical axes, any other leaf (array,
+    ShapeDtypeStruct) by `axes_of('/'-joined path, ndim)`, the layout's lookup by leaf name."""
+    def spec(path, x):
+        axes = x.logical_axes if layout.is_info(x) else axes_of(layout.path_str(path), len(x.shape))
+        return logical_to_spec(axes)
 
-
-def param_axes(path: str, ndim: int) -> tuple[str | None, ...]:
-    """Logical axes of the parameter at '/'-joined `path` with `ndim` dimensions."""
-    parts = path.split("/")
-    stacked = parts[0] in _STACKS
-    name = path
-    if name.endswith("/scale"):
-        name = name[: -len("scale")] + "weight"
-    elif name.endswith("_scale"):
-        name = name[: -len("_scale")] + "_weight"
-    if parts[-2:-1] and parts[-2].endswith("norm") and parts[-1] == "weight":
-        name = "norm/weight"
-    best = max((k for k in PARAM_AXES if name == k or name.endswith("/" + k)), key=len, default=None)
-    if best is None:
-        raise KeyError(f"parameter {path!r} has no entry in sharding.PARAM_AXES")
-    axes = (("layers",) if stacked else ()) + PARAM_AXES[best]
-    if len(axes) != ndim:
-        raise ValueError(f"parameter {path!r}: {ndim} dims but PARAM_AXES[{best!r}] names {len(axes)}")
-    return axes
+    return jax.tree_util.tree_map_with_path(spec, tree, is_leaf=layout.is_info)
 
 
 def param_specs(params_or_shapes: Any) -> Any:
-    """Tree of PartitionSpecs matching a parameter tree (arrays or ShapeDtypeStructs)."""
-    return jax.tree_util.tree_map_with_path(
-        lambda p, x: logical_to_spec(param_axes(_path_str(p), len(x.shape))), params_or_shapes)
+    """Tree of PartitionSpecs matching a parameter tree (arrays, ShapeDtypeStructs or the layout)."""
+    return _leaf_specs(params_or_shapes, layout.param_axes)
 
 
 def param_shardings(cfg: ModelConfig, mesh: Mesh, params_or_shapes: Any) -> Any:
     """Tree of NamedShardings for a parameter tree, after checking that `mesh` divides `cfg`."""
     fp8 = any(getattr(x, "dtype", None) == jax.numpy.float8_e4m3fn
-              for x in jax.tree_util.tree_leaves(params_or_shapes))
+              for x in jax.tree_util.tree_leaves(params_or_shapes, is_leaf=layout.is_info))
     validate(cfg, mesh, fp8=fp8)
     return jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(params_or_shapes))
 
 
 def cache_specs(cache_or_shapes: Any) -> Any:
-    def spec(path, x):
-        p = _path_str(path).split("/")
-        axes = CACHE_AXES[p[-1]]
-        if p[0] in _STACKS:
-            axes = ("layers",) + axes
-        if len(axes) != len(x.shape):
-            raise ValueError(f"cache leaf {'/'.join(p)}: {len(x.shape)} dims, CACHE_AXES names {len(axes)}")
-        return logical_to_spec(axes)
-
-    return jax.tree_util.tree_map_with_path(spec, cache_or_shapes)
+    """Tree of PartitionSpecs matching a cache tree (arrays, ShapeDtypeStructs or the layout)."""
+    return _leaf_specs(cache_or_shapes, layout.cache_axes)
 
 
 def cache_shardings(cfg: ModelConfig, mesh: Mesh, cache_or_shapes: Any) -> Any:
-    """Tree of NamedShardings for a cache tree (cache.py layout): batch over data x expert."""
+    """Tree of NamedShardings for a cache tree (layout.cache_layout): pages over data x expert."""
     validate(cfg, mesh)
     return jax.tree.map(lambda s: NamedSharding(mesh, s), cache_specs(cache_or_shapes))
 
