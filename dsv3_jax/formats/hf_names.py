@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from dsv3_jax.config import ModelConfig
+from dsv3_jax.model.layout import DENSE_LAYERS, MOE_LAYERS, MTP
 
 Path = tuple[str, ...]
 
@@ -83,14 +84,14 @@ def hf_target(name: str, cfg: ModelConfig) -> Target | None:
         if i != nl or cfg.num_nextn_predict_layers < 1:
             return None
         if suffix in _MTP_OWN:
-            return Target(("mtp", *_MTP_OWN[suffix]), ())
+            return Target((MTP, *_MTP_OWN[suffix]), ())
         r = _layer_suffix(suffix, True)
-        return None if r is None else Target(("mtp", "block", *r[0]), r[1])
+        return None if r is None else Target((MTP, "block", *r[0]), r[1])
     is_moe = i >= nd
     r = _layer_suffix(suffix, is_moe)
     if r is None:
         return None
-    stack = "moe_layers" if is_moe else "dense_layers"
+    stack = MOE_LAYERS if is_moe else DENSE_LAYERS
     return Target((stack, *r[0]), (i - nd if is_moe else i, *r[1]))
 
 
@@ -188,9 +189,9 @@ def leaf_groups(cfg: ModelConfig, names: list[str]) -> dict[Path, list[tuple[str
 def leaf_shape(cfg: ModelConfig, path: Path, entries: list[tuple[str, tuple[int, ...]]],
                tensor_shape: tuple[int, ...]) -> tuple[int, ...]:
     """The stacked leaf's shape: stacking dims (layers, experts) in front of one tensor's shape."""
-    if path[0] == "dense_layers":
+    if path[0] == DENSE_LAYERS:
         lead: tuple[int, ...] = (cfg.n_dense_layers,)
-    elif path[0] == "moe_layers":
+    elif path[0] == MOE_LAYERS:
         lead = (cfg.n_moe_layers,)
     else:
         lead = ()

@@ -8,7 +8,7 @@ Owns three read-only views, each a function of a handle and a prompt (no library
   scores are recomputed from the layer's own weights (naive form: full per-head K, which gives the same
   probabilities as the absorbed form). As a self-check the recomputed attention output is compared with
   the model's own `self_attn` output (`AttentionEntropy.recompute_error`);
-- `cache_pages`: the paged latent cache (cache.py layout) of a sequence after its prefill, restricted to
+- `cache_pages`: the paged latent cache (layout.cache_layout) of a sequence after its prefill, restricted to
   the sequence's own pages.
 Must not change model math, sampling or sharding; plotting is optional (matplotlib imported lazily).
 """
@@ -25,13 +25,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsv3_jax.model import kv_cache
+from dsv3_jax.model import kv_cache, layout
 from dsv3_jax.model.attention import MLA, _causal_softmax
 from dsv3_jax.model.kv_cache import PageMeta
 from dsv3_jax.model.rope import apply_rope, rope_angles
 from dsv3_jax.parallel import sharding
-
-_STACKS = ("dense_layers", "moe_layers")
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -68,12 +66,12 @@ def _pieces(handle: Any, ids: list[int]) -> list[str] | None:
 def _layer_ids(handle: Any, stack: str) -> list[int]:
     """HF layer indices of a scanned stack (dense layers come first)."""
     c = handle.config
-    return list(range(c.n_dense_layers)) if stack == "dense_layers" else \
+    return list(range(c.n_dense_layers)) if stack == layout.DENSE_LAYERS else \
         list(range(c.n_dense_layers, c.num_hidden_layers))
 
 
 def _stacks(handle: Any) -> list[str]:
-    return [s for s in _STACKS if s in handle.params]
+    return [s for s in layout.STACKS if s in handle.params]
 
 
 def _run(handle: Any, fn, *args):
@@ -139,7 +137,7 @@ class RouterStats:
 def _router_fn(model: nn.Module):
     def f(params, toks):
         _, state = model.apply({"params": params}, toks, mutable=["intermediates"])
-        return state["intermediates"]["moe_layers"]["mlp"]["router_choice"][0]  # [L, B, T, k]
+        return state["intermediates"][layout.MOE_LAYERS]["mlp"]["router_choice"][0]  # [L, B, T, k]
     return jax.jit(f)
 
 
@@ -151,7 +149,7 @@ def router_stats(handle: Any, prompt: str | Sequence[int]) -> RouterStats:
     ids = _prompt_ids(handle, prompt)
     choices = _run(handle, _router_fn(handle.model), jnp.asarray(_batch(handle, ids)))
     choices = np.asarray(jax.device_get(choices))[:, 0]
-    return RouterStats(ids, _pieces(handle, ids), _layer_ids(handle, "moe_layers"), choices,
+    return RouterStats(ids, _pieces(handle, ids), _layer_ids(handle, layout.MOE_LAYERS), choices,
                        cfg.n_routed_experts)
 
 
@@ -198,7 +196,7 @@ def _entropy_fn(model: nn.Module):
         b, t = toks.shape
         pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         ents, errs = [], []
-        for stack in _STACKS:
+        for stack in layout.STACKS:
             if stack not in params:
                 continue
             x = inter[stack]["input_layernorm"]["__call__"][0]  # [L, B, T, D]
@@ -262,7 +260,7 @@ def attention_entropy(handle: Any, prompt: str | Sequence[int]) -> AttentionEntr
 # ------------------------------------------------------------------------------------- cache pages
 @dataclasses.dataclass
 class CachePages:
-    """One sequence's pages of the paged KV cache after its prefill (cache.py layout).
+    """One sequence's pages of the paged KV cache after its prefill (layout.cache_layout).
 
     `pages[stack][name]` holds only this sequence's pages, in logical order: absorbed form
     `pages` [L, n_pages, page_size, kv_lora_rank + rope]; naive form `k_pages` / `v_pages`
@@ -291,7 +289,7 @@ class CachePages:
 
     def layer(self, layer: int, name: str | None = None) -> np.ndarray:
         """HF layer `layer`'s cached values as one contiguous [n_tokens, ...] array."""
-        name = name or ("pages" if self.form == "absorbed" else "k_pages")
+        name = name or (layout.PAGES if self.form == "absorbed" else layout.K_PAGES)
         for stack, ids in self.layers.items():
             if layer in ids:
                 arr = self.pages[stack][name][ids.index(layer)]

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from dsv3_jax.config import ModelConfig
+from dsv3_jax.model import layout
 from dsv3_jax.model.attention import MLA
 from dsv3_jax.model.kv_cache import PageMeta
 from dsv3_jax.model.layers import MLP, Linear, RMSNorm
@@ -123,10 +124,10 @@ class Transformer(nn.Module):
         self.embed_tokens = nn.Embed(c.vocab_size, c.hidden_size, param_dtype=self.param_dtype)
         if c.n_dense_layers:
             self.dense_layers = _stack(c, False, c.n_dense_layers, self.param_dtype, self.fp8, self.form,
-                                       opts, "dense_layers")
+                                       opts, layout.DENSE_LAYERS)
         if c.n_moe_layers:
             self.moe_layers = _stack(c, True, c.n_moe_layers, self.param_dtype, self.fp8, self.form,
-                                     opts, "moe_layers")
+                                     opts, layout.MOE_LAYERS)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, self.param_dtype)
         self.lm_head = Linear(c.hidden_size, c.vocab_size, self.param_dtype, False, opts)
         if c.num_nextn_predict_layers:
@@ -148,7 +149,7 @@ class Transformer(nn.Module):
         dtype = jnp.dtype(self.cfg.dtype)
         x = self.embed_tokens(tokens).astype(dtype)
         new_cache = {}
-        for name in ("dense_layers", "moe_layers"):
+        for name in layout.STACKS:
             if not hasattr(self, name):
                 continue
             stack = None if cache is None else cache[name]
@@ -156,18 +157,18 @@ class Transformer(nn.Module):
             new_cache[name] = stack
         hidden = self.norm(x)
         logits = self.lm_head(_at(hidden, select)).astype(jnp.float32)
-        if cache is not None and "mtp" in cache:
-            new_cache["mtp"] = cache["mtp"]
+        if cache is not None and layout.MTP in cache:
+            new_cache[layout.MTP] = cache[layout.MTP]
         return logits, hidden, (new_cache if cache is not None else None)
 
     def mtp_logits(self, hidden: jax.Array, next_tokens: jax.Array, positions: jax.Array,
                    cache: dict | None = None, meta: PageMeta | None = None, select: jax.Array | None = None):
         """The MTP draft: logits for token i+2 from hidden_i and token i+1, plus its hidden and cache
         (`select` as in `__call__`)."""
-        mtp_cache = None if cache is None else cache["mtp"]
+        mtp_cache = None if cache is None else cache[layout.MTP]
         logits, h, mtp_cache = self.mtp(hidden, next_tokens, positions, mtp_cache, meta, select)
         if cache is not None:
-            cache = {**cache, "mtp": mtp_cache}
+            cache = {**cache, layout.MTP: mtp_cache}
         return logits, h, cache
 
     def init_all(self, tokens: jax.Array):
