@@ -1,10 +1,10 @@
 """Issue 17's kernels and their peers timed by GPU time (`device_time.py`), not by the host clock (GPU only).
 
-Owns the case list and the table: MLA decode variants (H=128 TFLOP/s, H=16 TB/s of cache), the FP8 grouped
-GEMM at 65,536 rows beside torch's fp8 rowwise grouped GEMM, and the dense FP8 GEMM at the attention shapes
-(M = 1, 64, 4096) and 8192^3 beside cuBLAS fp8 (with `--experimental`, at M <= 64 also the swap-AB kernel,
-`pallas_kernels.experimental.fp8_small_m`, which has faulted the device: off by default), and
-the whole FP8 linear from bf16 activations (`linear`: quantization and GEMM in one program) beside torch's
+Owns the case list and the table: MLA decode designs (H=128 TFLOP/s, H=16 TB/s of cache; `--mla-variants`
+names them as the kernel lab `pallas_kernels.experimental.mla_variants` does, v2 being the product), the FP8
+grouped GEMM at 65,536 rows beside torch's fp8 rowwise grouped GEMM, and the dense FP8 GEMM at the attention
+shapes (M = 1, 64, 4096) and 8192^3 beside cuBLAS fp8 (with `--experimental`, at M <= 64 also the swap-AB
+kernel, `pallas_kernels.experimental.fp8_small_m`, which has faulted the device: off by default), and the whole FP8 linear from bf16 activations (`linear`: quantization and GEMM in one program) beside torch's
 fp8 rowwise linear and its bf16 GEMM. Every figure is the median (min/max in the JSON) of the per-call GPU
 time over back-to-back calls; each of our results is checked against its reference first.
 Ours and the torch peers run as separate processes (`--side`): after torch's profiler has run, JAX's
@@ -49,9 +49,10 @@ from moe_gemm_bench import (  # noqa: E402
 )
 
 from pallas_kernels.experimental.fp8_small_m import SWAP_MAX_ROWS, fp8_gemm_swap_ab  # noqa: E402
+from pallas_kernels.experimental.mla_variants import PRODUCT_VARIANT  # noqa: E402
+from pallas_kernels.experimental.mla_variants import mla_decode as lab_mla_decode  # noqa: E402
 from pallas_kernels.fp8_gemm import default_config, dense_config, fp8_gemm, fp8_grouped_gemm  # noqa: E402
 from pallas_kernels.fp8_quant import quantize_act  # noqa: E402
-from pallas_kernels.mla_decode import mla_decode  # noqa: E402
 from pallas_kernels.mla_reference import mla_decode_reference  # noqa: E402
 
 MLA_CASES = ((128, 64, 4096), (128, 128, 4096), (128, 64, 32768), (128, 128, 32768), (16, 128, 32768))
@@ -68,8 +69,8 @@ def _row(results: list, case: str, who: str, t: dict, flops: float, nbytes: floa
 
 
 def mla(results: list, variants: list[str], cases=MLA_CASES, splits=(None,)) -> None:
-    """Each variant at each case; `splits` (None: `choose_num_splits`) sweeps the split-KV count, whose
-    merge (`merges`) is most of a small batch's time."""
+    """Each design (kernel lab names, v2 the product) at each case; `splits` (None: `choose_num_splits`)
+    sweeps the split-KV count, whose merge (`merges`) is most of a small batch's time."""
     ref = jax.jit(lambda *a: mla_decode_reference(*a, softmax_scale=SCALE))
     for h, b, s in cases:
         inp = _decode_inputs(b * 131 + s + h, b, h, s)
@@ -79,7 +80,7 @@ def mla(results: list, variants: list[str], cases=MLA_CASES, splits=(None,)) -> 
             rout, _ = ref(*[x.astype(jnp.float32) if x.dtype == jnp.bfloat16 else x for x in inp])
         for v in variants:
             for ns in splits:
-                fn = jax.jit(lambda *a, v=v, ns=ns: mla_decode(*a, softmax_scale=SCALE, variant=v, num_splits=ns))
+                fn = jax.jit(lambda *a, v=v, ns=ns: lab_mla_decode(*a, softmax_scale=SCALE, variant=v, num_splits=ns))
                 out, _ = fn(*inp)
                 err = None if rout is None else round(_rel_err(out, rout), 5)
                 who = f"pallas {v}" + ("" if ns is None else f" splits={ns}")
@@ -90,7 +91,7 @@ def mla(results: list, variants: list[str], cases=MLA_CASES, splits=(None,)) -> 
 
 def mla_prefill_chunk(results: list, variants: list[str], t: int = 4096, h: int = 128) -> None:
     """One sequence's whole-prompt chunk (T = t tokens from position 0, causal) through the kernel core."""
-    from pallas_kernels.mla_decode import paged_mla_attention
+    from pallas_kernels.experimental.mla_variants import paged_mla_attention
 
     ql, qr, kv, table, _ = _decode_inputs(t + h, 1, h * t, t)  # [1, t*h, ...] queries, t tokens of pages
     ql, qr = ql.reshape(1, t, h, -1), qr.reshape(1, t, h, -1)
@@ -110,10 +111,11 @@ MERGE_CASES = ((128, 1, 4096), (128, 8, 4096), (16, 1, 32768), (16, 8, 32768))
 
 
 def merges(results: list, cases=MERGE_CASES, splits=(None,)) -> None:
-    """The split-KV merge alone, `merge_splits` against the candidate `merge_splits_two_pass`, on partials
-    shaped as the kernel writes them for decode at (H, B, S) (splits from `choose_num_splits`, or each of
-    `splits`)."""
-    from pallas_kernels.mla_decode import BLOCK_ROWS, choose_num_splits, merge_splits, merge_splits_two_pass
+    """The split-KV merge alone, `merge_splits` against the kernel lab's candidate `merge_splits_two_pass`,
+    on partials shaped as the kernel writes them for decode at (H, B, S) (splits from `choose_num_splits`,
+    or each of `splits`)."""
+    from pallas_kernels.experimental.mla_variants import merge_splits_two_pass
+    from pallas_kernels.mla_decode import BLOCK_ROWS, choose_num_splits, merge_splits
 
     for (h, b, s), want in ((c, n) for c in cases for n in splits):
         tiles = -(-h // BLOCK_ROWS)
@@ -251,7 +253,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="kernel_device_bench.json")
     ap.add_argument("--only", default="mla,grouped,dense", help="comma list of mla, merge, prefill, grouped, dense, linear")
-    ap.add_argument("--mla-variants", default="v1")
+    ap.add_argument("--mla-variants", default=PRODUCT_VARIANT,
+                    help="mla/prefill: comma list of kernel designs (the kernel lab's names; v2 is the product)")
     ap.add_argument("--mla-cases", default="", help="H:B:S,... (default: MLA_CASES; merge: MERGE_CASES)")
     ap.add_argument("--mla-splits", default="auto", help="mla/merge: split-KV counts, e.g. auto,4,8,16")
     ap.add_argument("--configs", default="", help="extra FP8 tilings (moe_gemm_bench labels) for grouped/dense")

@@ -8,9 +8,10 @@ median (min/max too) of `--reps` timings of `--inner` back-to-back calls. Before
 result is checked for NaN and against the fp32 reference (relative Frobenius error) where that
 reference is affordable. `--merge-cost` also times the decode kernel without its split-KV merge
 (`paged_mla_partials`: q prep + launch) in the same run and prints the difference, the merge's cost
-(the launch overhead that matters at B = 1-8). `--variants v1,v2` times each decode kernel variant
-(`mla_decode.KERNEL_VARIANTS`) on the same inputs, checks each against the fp32 reference (flagged
-above 2e-2) and prints the time ratio last/first per row. Prints a table and writes JSON.
+(the launch overhead that matters at B = 1-8). `--variants v1,v2` times each decode kernel design on the
+same inputs (`KERNEL_VARIANTS` of the kernel lab, `pallas_kernels.experimental.mla_variants`, where "v2"
+is the product kernel; the default times the product alone), checks each against the fp32 reference
+(flagged above 2e-2) and prints the time ratio last/first per row. Prints a table and writes JSON.
 
     python benchmarks/mla_bench.py --out benchmarks/results/mla_bench.json
     python benchmarks/mla_bench.py --batches 1 8 --seqs 1024 4096 --merge-cost --skip-prefill  # launch cost
@@ -34,8 +35,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from pallas_kernels.experimental.mla_variants import KERNEL_VARIANTS, PRODUCT_VARIANT  # noqa: E402
+from pallas_kernels.experimental.mla_variants import mla_decode as lab_mla_decode  # noqa: E402
 from pallas_kernels.mla_common import KV_DIM, LATENT_DIM, PAGE_SIZE, ROPE_DIM  # noqa: E402
-from pallas_kernels.mla_decode import KERNEL_VARIANTS, mla_decode, paged_mla_partials  # noqa: E402
+from pallas_kernels.mla_decode import paged_mla_partials  # noqa: E402
 from pallas_kernels.mla_prefill import mla_chunk_attention  # noqa: E402
 from pallas_kernels.mla_reference import mla_decode_reference  # noqa: E402
 
@@ -81,7 +84,8 @@ def _partials_only(ql, qr, kv, table, seq, *, interpret):
 def bench_decode(args, results: list, deadline: float) -> None:
     interpret = args.interpret or None  # None: the one policy (interpreter off a GPU)
     variants = args.variants
-    kerns = {v: jax.jit(lambda *a, v=v: mla_decode(*a, softmax_scale=SCALE, interpret=interpret, variant=v))
+    kerns = {v: jax.jit(lambda *a, v=v: lab_mla_decode(*a, softmax_scale=SCALE, interpret=interpret,
+                                                       variant=v))
              for v in variants}
     part = jax.jit(functools.partial(_partials_only, interpret=interpret))
     ref = jax.jit(lambda *a: mla_decode_reference(*a, softmax_scale=SCALE))
@@ -213,9 +217,10 @@ def main() -> None:
     p.add_argument("--prefill-lens", type=int, nargs="+", default=[1024, 4096])
     p.add_argument("--interpret", action="store_true", help="CPU smoke run of the script (GPU interpreter)")
     p.add_argument("--skip-prefill", action="store_true")
-    p.add_argument("--variants", type=_variants, default=["v1"],
-                   help="comma-separated decode kernel variants timed on the same inputs, e.g. v1,v2 (the "
-                        "ratio column is last/first); speedup is the first against xla")
+    p.add_argument("--variants", type=_variants, default=[PRODUCT_VARIANT],
+                   help=f"comma-separated decode kernel designs timed on the same inputs, e.g. v1,v2 (the "
+                        f"ratio column is last/first; {PRODUCT_VARIANT}, the default, is the product kernel); "
+                        f"speedup is the first against xla")
     p.add_argument("--merge-cost", action="store_true",
                    help="also time the decode kernel without its split merge; prints the merge's cost in us")
     args = p.parse_args()

@@ -3,8 +3,8 @@ so that `ncu --profile-from-start off` profiles exactly that call (GPU only).
 
 Owns nothing but the choice of cases; the kernels and their inputs come from the benchmarks.
 
-    ncu --profile-from-start off --clock-control none --set full -o mla_v1 \\
-        python benchmarks/ncu_target.py mla --variant v1 --heads 128 --batch 128 --seq 4096
+    ncu --profile-from-start off --clock-control none --set full -o mla_v2 \\
+        python benchmarks/ncu_target.py mla --variant v2 --heads 128 --batch 128 --seq 4096
     ncu ... python benchmarks/ncu_target.py grouped --shape gate_up
     ncu ... python benchmarks/ncu_target.py dense --m 4096 --k 7168 --n 1536
 """
@@ -19,9 +19,10 @@ import jax.numpy as jnp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from pallas_kernels.experimental.mla_variants import KERNEL_VARIANTS, PRODUCT_VARIANT  # noqa: E402
+from pallas_kernels.experimental.mla_variants import mla_decode as lab_mla_decode  # noqa: E402
 from pallas_kernels.fp8_gemm import fp8_gemm, fp8_grouped_gemm  # noqa: E402
 from pallas_kernels.fp8_quant import quantize_act  # noqa: E402
-from pallas_kernels.mla_decode import mla_decode  # noqa: E402
 
 
 def _profiled(fn, args) -> None:
@@ -38,7 +39,8 @@ def _profiled(fn, args) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("case", choices=["mla", "grouped", "dense"])
-    ap.add_argument("--variant", default="v1")
+    ap.add_argument("--variant", default=PRODUCT_VARIANT, choices=KERNEL_VARIANTS,
+                    help="mla: the kernel design (the kernel lab's names; v2 is the product)")
     ap.add_argument("--heads", type=int, default=128)
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--seq", type=int, default=4096)
@@ -51,7 +53,7 @@ def main() -> None:
         from mla_bench import SCALE, _decode_inputs
 
         inp = _decode_inputs(0, a.batch, a.heads, a.seq)
-        fn = jax.jit(lambda *x: mla_decode(*x, softmax_scale=SCALE, variant=a.variant))
+        fn = jax.jit(lambda *x: lab_mla_decode(*x, softmax_scale=SCALE, variant=a.variant))
         _profiled(fn, inp)
         return
     from moe_gemm_bench import SHAPES, E, group_sizes_for, random_fp8_weights

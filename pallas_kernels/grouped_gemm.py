@@ -14,7 +14,7 @@ next tile's first K blocks while the current tile's epilogue runs). The epilogue
 valid rows through shared memory in 64-column chunks with TMA stores. Rows at or past
 ``sum(group_sizes)`` come back as zeros. Gradients (``jax.grad``) go through the reference.
 
-Split-K (``k_splits > 1``, a variant; the defaults do not use it): each work item covers one slice of K
+Split-K (``k_splits > 1``, a tiling option; the defaults do not use it): each work item covers one slice of K
 and writes fp32 partial sums to its own ``[k_splits, M, N]`` plane, summed (and cast) in one XLA
 reduction after the kernel.
 """

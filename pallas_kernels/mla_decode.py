@@ -5,17 +5,33 @@ around it (`query_tiles` before, `merge_splits` after). Semantics are those of `
 its docstring for the cache layout); widths, page size and argument checks come from `mla_common.py`.
 `interpret=None` follows `pallas_kernels.interpret.resolve_interpret` (the interpreter off a GPU).
 
-Kernel design (Hopper, one CTA = three warpgroups):
+Kernel design ("v2", split QK; Hopper, one CTA = three warpgroups):
 - Rows are (query token, head) pairs, row = j * H + h, tiled by 64 (one wgmma M). The 64x576 query tile
   (latent ++ rope, laid out by `query_tiles`, one fused XLA op) sits in shared memory for the whole CTA.
 - Warpgroup 2 is the producer: it TMA-loads one 64-token page [64, 576] per step into a two-slot ring,
   reading the physical page id from `block_table` in global memory. Before reusing a slot it waits for
   both consumers' release of it (`consumed_bars`), and after its last load it waits for the release of
   the last pages too (the GPU interpreter requires every phase of a waited barrier to be observed).
-- Warpgroups 0 and 1 are consumers sharing the 64-row tile: each computes the full score tile
-  S = Q K^T (64x64, K=576) and the online softmax, and accumulates its own half (256 columns) of
-  O = P V where V is the first 512 columns of the same page (so the cache is read once). A 64x512
-  fp32 accumulator would need 256 registers per thread; two halves of 128 fit.
+- Warpgroups 0 and 1 are consumers sharing the 64-row tile. Consumer c scores only keys [32c, 32c + 32)
+  of the page (S = Q K^T with wgmma N=32 on its half of the keys, K=576), so each QK FLOP is done once,
+  and accumulates its own half (256 columns) of O = P V where V is the first 512 columns of the same page
+  (so the cache is read once). A 64x512 fp32 accumulator would need 256 registers per thread; two halves
+  of 128 fit.
+- Per page, two cross-warpgroup barriers (`m_bar`, `p_bar`, 2 arrivals): each consumer stores its row
+  maxima in `mx_smem[c]`, meets the other at `m_bar`, and takes the max of both (the same m on both
+  sides, so the halves of P share one scale); it then stores its bf16 P half [64, 32] in `px_smem[c]`,
+  meets at `p_bar`, loads the other half into registers and concatenates the full P [64, 64] as the
+  register A operand of its P V wgmma (K=64: with 128-byte swizzled V a wgmma needs K to be a multiple
+  of 64, so two K=32 products are not an option). Each consumer sums only its own P half into l; the
+  halves are added once, at the final barrier (`done_bar`). One buffer of each kind suffices: a consumer
+  writes step i+1's maxima only after passing step i's `p_bar`, i.e. after the other has read step i's
+  maxima, and its P half only after step i+1's `m_bar`, i.e. after the other has loaded step i's P half
+  into registers (on the GPU no wgmma reads `px_smem`).
+- Shared memory (bytes): Q 73,728 + two pages 147,456 + P halves 8,192 + maxima/sums 512 (reused to
+  stage the lse) + Mosaic's reduction scratch 1,024 = 230,912, which Pallas rounds up to 231,424, plus
+  8 barriers (64) = 231,488 of the 232,448 allowed. Mosaic's default reduction scratch (2 KiB) would make
+  it 232,512: the row reductions stay inside a warp, so the kernel asks for 1 KiB
+  (`REDUCTION_SCRATCH_BYTES`; the CPU lowering test holds the budget).
 - Split-KV: the grid is (batch, row tile, split); split s takes an equal share of the tile's pages.
   Partial outputs and their log-sum-exp are merged by `merge_splits`, one XLA reduction (a variadic
   reduce whose reducer is the log-sum-exp merge of two partials) instead of a chain of small ops, so at
@@ -23,63 +39,18 @@ Kernel design (Hopper, one CTA = three warpgroups):
 - Causality and raggedness are a per-row limit: row (j, h) attends to positions
   < min(q_start + 1 + j, kv_len); each tile only visits pages below its last row's limit.
 
+Measured on the H200 (2026-12-03) against the earlier design v1 (both consumers compute the full score
+tile, so the tensor cores do ~1.53x the necessary QK work), by wall clock: 0.985x v1's time at H=128,
+B=64-128, S=4K and 1.01-1.04x at H=16 ("MLA decode v2" in benchmarks/RESULTS.md); by GPU time from
+profiler traces (round four): 0.93-0.96x v1's time at H=128, B=64-128, S=4K-32K, 0.94x at H=16, B=128,
+S=32K, and equal (0.99-1.01x) at B=1-8, so this is the design since then, for decode and prefill chunks.
+
 Interpret mode (CPU tests): the GPU interpreter cannot take a wgmma A operand from registers nor run
 `pl.run_state` accumulators, so under `interpret=True` the P tile is staged through shared memory and
 the P V product is added to the carried accumulator as a value. Everything else is the same code.
 
-Variants (`variant=`, `KERNEL_VARIANTS`; `DEFAULT_VARIANT`, "v2", everywhere, decode and prefill chunks):
-- v1 (above): the two consumers both compute S (QK is 576/1088 of the FLOPs), so the tensor cores do
-  ~1.53x the necessary work.
-- v2 (split QK): consumer c scores only keys [32c, 32c + 32) of the page (wgmma N=32 on its half of K),
-  so each QK FLOP is done once. Per page, two cross-warpgroup barriers (`m_bar`, `p_bar`, 2 arrivals):
-  each consumer stores its row maxima in `mx_smem[c]`, meets the other at `m_bar`, and takes the max of
-  both (the same m on both sides, so the halves of P share one scale); it then stores its bf16 P half
-  [64, 32] in `px_smem[c]`, meets at `p_bar`, loads the other half into registers and concatenates
-  the full P [64, 64] as the register A operand of its P V wgmma (K=64: with 128-byte swizzled V a
-  wgmma needs K to be a multiple of 64, so two K=32 products are not an option). Each consumer sums
-  only its own P half into l; the halves are added once, at the final barrier (`done_bar`). One buffer
-  of each kind suffices: a consumer writes step i+1's maxima only after passing step i's `p_bar`,
-  i.e. after the other has read step i's maxima, and its P half only after step i+1's `m_bar`, i.e.
-  after the other has loaded step i's P half into registers (on the GPU no wgmma reads `px_smem`).
-  Shared memory (bytes): Q 73,728 + two pages 147,456 + P halves 8,192 + maxima/sums 512 (reused to
-  stage the lse, so v1's 256-byte lse buffer goes) + Mosaic's reduction scratch 1,024 = 230,912,
-  which Pallas rounds up to 231,424, plus 8 barriers (64) = 231,488 of the 232,448 allowed. Mosaic's
-  default reduction scratch (2 KiB) would make it 232,512: v2's row reductions stay inside a warp, so
-  it asks for 1 KiB (`V2_REDUCTION_SCRATCH`; the CPU lowering test holds the budget).
-  Measured on the H200 (2026-12-03) by wall clock: 0.985x v1's time at H=128, B=64-128, S=4K and
-  1.01-1.04x at H=16 ("MLA decode v2" in benchmarks/RESULTS.md); by GPU time from profiler traces
-  (round four): 0.93-0.96x v1's time at H=128, B=64-128, S=4K-32K, 0.94x at H=16, B=128, S=32K, and equal
-  (0.99-1.01x) at B=1-8, so v2 is the decode default since then.
-- v3 (seesaw): consumer c scores the pages i with i % 2 == c (the full 64x64 tile, wgmma N=64), so each
-  QK FLOP is done once, and both consumers multiply every page's P by their own 256 V columns. A turn of
-  consumer c on page i: QK of page i (it needs only the page, so it overlaps the other consumer's softmax);
-  then page i - 1's P and row maxima from the other consumer (`m_bar` / `p_bar`, one arrival each: "my P
-  is out"), rescale and P V for page i - 1; then page i's softmax starting from page i - 1's maximum,
-  published at once, and P V for page i. The running maximum is thus one chain through all pages, and
-  both consumers see every P, so each keeps the full row sum (no l exchange at the end). One P buffer
-  [64, 64] serves both directions: the consumers strictly alternate, a consumer overwrites it only after
-  loading the previous P into registers, and in the WGMMA layout each thread stores exactly the elements
-  it loaded. Each consumer waits every page's barrier once (its own pages in its turn, the other's before
-  their P V). Page 0 has no predecessor and the last page may be the other consumer's (two `lax.cond`s).
-  Shared memory as v2. Measured on the H200 (2026-12-03): 1.21-1.50x v1's time at H=128 and 1.07-1.56x
-  at H=16, so v1 stays the default. Also tried that day and removed (commits e0d65bd..466fadc, RESULTS.md
-  "MLA decode, round three"): v3 with the two row tiles of a token in a 2-CTA cluster sharing each page by
-  TMA multicast, v3 with both P V products after the softmax, v1 with that multicast, and v1 with each page
-  loaded as 9 column chunks with their own barriers; none was faster than v1.
-- v8 (ping-pong): v1 with a 2-arrival schedule barrier (`sched_bar`) that both consumers pass after issuing
-  QK and after their softmax, consumer 1 once more before its loop and consumer 0 once more after its own,
-  so one consumer's softmax runs while the other's wgmmas do (FlashAttention-3's warpgroup schedule).
-  Measured by GPU time (2026-12-03): 0.99-1.00x v1 at H=128 and 1.03x at H=16: Nsight Compute shows v1's
-  tensor pipe already 80% busy (the consumers drift apart by themselves), so v8 stays a tested variant only.
-- v9 (one exchange per page): v2 without `m_bar`. Each consumer publishes its P half scaled by its own
-  running maximum together with that maximum, meets the other at `p_bar` (2 arrivals), and both rescale
-  both halves to the larger maximum (the same bf16 bits times the same factor on both sides, so both hold
-  the same P and each still sums only its own half into l). With one meeting per page the P and maxima
-  buffers could be overwritten before the other has read them, so before publishing page i a consumer
-  waits for page i - 1's `consumed_bars` slot (both P V products on it done, hence both reads), and once
-  more after its loop before staging l in its maxima buffer; no new shared memory. Built after v2's
-  profile (51.8% tensor-pipe use, the most barrier stalls of all variants); interpret-mode and Hopper
-  lowering tests pass; not yet timed on a GPU.
+Earlier and alternative designs (v1, v3, v8, v9) and the two-pass split merge are the kernel lab in
+`pallas_kernels/experimental/mla_variants.py`: not used by the model.
 """
 
 import functools
@@ -105,19 +76,16 @@ from pallas_kernels.mla_common import (
 
 BLOCK_ROWS = 64  # rows (token, head) per tile: one wgmma M
 HALF = LATENT_DIM // 2  # output columns per consumer warpgroup
+HALF_PAGE = PAGE_SIZE // 2  # keys each consumer scores per page
 NUM_SLOTS = 2  # pipeline depth: 72 KiB Q + 2 x 72 KiB pages fills the 227 KiB of shared memory
 DEFAULT_NUM_SMS = 132  # H100/H200 SXM
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 _M_INIT = -1e30  # finite so that rows with nothing to attend to in a split give 0, not NaN
 _ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a wgmma tile
-HALF_PAGE = PAGE_SIZE // 2  # keys per consumer in v2
-KERNEL_VARIANTS = ("v1", "v2", "v3", "v8", "v9")  # see the module docstring
-SPLIT_QK_VARIANTS = ("v2", "v9")  # consumer c scores keys [32c, 32c + 32) of each page
-DEFAULT_VARIANT = "v2"  # measured by GPU time, round four (benchmarks/RESULTS.md)
-# v2's row reductions stay inside a warp (wgmma layout, axis 1), so Mosaic's cross-warp reduction scratch
-# (default 2 KiB, reserved whether used or not) is cut to 1 KiB: the room for v2's exchange buffers.
-V2_REDUCTION_SCRATCH = 1024
+# The row reductions stay inside a warp (wgmma layout, axis 1), so Mosaic's cross-warp reduction scratch
+# (default 2 KiB, reserved whether used or not) is cut to 1 KiB: the room for the exchange buffers.
+REDUCTION_SCRATCH_BYTES = 1024
 
 
 def choose_num_splits(batch: int, row_tiles: int, max_pages: int, num_sms: int = DEFAULT_NUM_SMS) -> int:
@@ -126,20 +94,11 @@ def choose_num_splits(batch: int, row_tiles: int, max_pages: int, num_sms: int =
     return max(1, min(num_sms // max(programs, 1), pl.cdiv(max_pages, 2)))
 
 
-def check_variant(variant: str) -> None:
-    """One clear error for a kernel variant name that is not in `KERNEL_VARIANTS`."""
-    if variant not in KERNEL_VARIANTS:
-        raise ValueError(f"MLA kernel variant must be one of {KERNEL_VARIANTS}, got {variant!r}")
-
-
-def _masked_scores(q_smem, k_smem, slot, key0: int, nkeys: int, page_pos0, limit, scale2, after_issue=None):
+def _masked_scores(q_smem, k_smem, slot, key0: int, nkeys: int, page_pos0, limit, scale2):
     """Scaled log2-domain scores of the Q tile against keys key0 .. key0 + nkeys of the page in `slot`
-    (wgmma N = nkeys), with positions at or past each row's `limit` [64, nkeys] set to -inf.
-    `after_issue()` runs between issuing the wgmma and waiting for it (v8's schedule barrier)."""
+    (wgmma N = nkeys), with positions at or past each row's `limit` [64, nkeys] set to -inf."""
     def qk(s_ref):
         plgpu.wgmma(s_ref, q_smem, k_smem.at[slot, pl.ds(key0, nkeys)].T)
-        if after_issue is not None:
-            after_issue()
         return s_ref[...]
 
     s = pl.run_scoped(qk, plgpu.ACC((BLOCK_ROWS, nkeys), jnp.float32))
@@ -166,9 +125,8 @@ def _pv(acc, p16, v, p_stage, interpret: bool):
 def _kernel(
     q_ref, kv_ref, bt_ref, qstart_ref, kvlen_ref,  # inputs (GMEM)
     out_ref, lse_ref,  # outputs (GMEM)
-    q_smem, k_smem, lse_smem, p_smem, mx_smem, px_smem, q_bar, k_bars, consumed_bars, done_bar, m_bar, p_bar,
-    sched_bar,
-    *, num_heads: int, num_queries: int, num_splits: int, softmax_scale: float, interpret: bool, variant: str,
+    q_smem, k_smem, p_smem, px_smem, mx_smem, q_bar, k_bars, consumed_bars, done_bar, m_bar, p_bar,
+    *, num_heads: int, num_queries: int, num_splits: int, softmax_scale: float, interpret: bool,
 ):
     b = lax.axis_index("b")
     tile = lax.axis_index("t")
@@ -218,63 +176,21 @@ def _kernel(
         scale2 = softmax_scale * _LOG2E
         other = 1 - half
 
-        split_qk = variant in SPLIT_QK_VARIANTS
-        nkeys = HALF_PAGE if split_qk else PAGE_SIZE  # keys this consumer scores per page
-        rows = row0 + plgpu.broadcasted_iota(jnp.int32, (BLOCK_ROWS, nkeys), 0, layout=plgpu.Layout.WGMMA)
+        rows = row0 + plgpu.broadcasted_iota(jnp.int32, (BLOCK_ROWS, HALF_PAGE), 0, layout=plgpu.Layout.WGMMA)
         limit = jnp.minimum(q_start + 1 + rows // num_heads, kv_len)
 
         p_stage = p_smem.at[half] if interpret else None
 
-        pingpong = variant == "v8"
-
-        def schedule():
-            # v8: the consumers pass this 2-arrival barrier twice a page, consumer 1 once more at the start
-            # and consumer 0 once more at the end, so each one's softmax runs while the other's wgmmas do.
-            plgpu.barrier_arrive(sched_bar)
-            plgpu.barrier_wait(sched_bar)
-
-        def step_v1(i, carry):
+        def step(i, carry):
+            # l_i sums only this consumer's P half (the halves are added once, after the loop); m_i is the
+            # shared row maximum.
             acc, m_i, l_i = carry
-            slot = lax.rem(i, NUM_SLOTS)
-            plgpu.barrier_wait(k_bars.at[slot])
-            s = _masked_scores(q_smem, k_smem, slot, 0, PAGE_SIZE, (blk_lo + i) * PAGE_SIZE, limit, scale2,
-                               after_issue=schedule if pingpong else None)
-            m_new = jnp.maximum(m_i, s.max(axis=1))
-            alpha = jnp.exp2(m_i - m_new)
-            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-            l_i = l_i * alpha + p.sum(axis=1)
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            if pingpong:
-                schedule()
-            v = k_smem.at[slot, :, pl.ds(half * HALF, HALF)]
-            acc = _pv(acc, p.astype(k_smem.dtype), v, p_stage, interpret)
-            plgpu.barrier_arrive(consumed_bars.at[slot])
-            return acc, m_new, l_i
-
-        def v_half(slot):
-            return k_smem.at[slot, :, pl.ds(half * HALF, HALF)]
-
-        def own_keys(i, m_i):
-            """Split-QK variants (v2, v9): wait for page i and score this consumer's keys
-            [32 * half, 32 * half + 32); returns the slot, the scores and their row max joined with m_i."""
+            # Page i: this consumer's keys [32 * half, 32 * half + 32).
             slot = lax.rem(i, NUM_SLOTS)
             plgpu.barrier_wait(k_bars.at[slot])
             s = _masked_scores(q_smem, k_smem, slot, half * HALF_PAGE, HALF_PAGE, (blk_lo + i) * PAGE_SIZE,
                                limit, scale2)
-            return slot, s, jnp.maximum(m_i, s.max(axis=1))
-
-        def full_p_times_v(acc, mine, theirs, slot):
-            """P V on this consumer's half of V with the full P [64, 64] made of the two consumers' halves."""
-            p_full = jnp.concatenate([mine, theirs] if half == 0 else [theirs, mine], axis=1)
-            acc = _pv(acc, p_full, v_half(slot), p_stage, interpret)
-            plgpu.barrier_arrive(consumed_bars.at[slot])
-            return acc
-
-        def step_v2(i, carry):
-            # l_i sums only this consumer's P half (the halves are added once, after the loop); m_i is the
-            # shared row maximum.
-            acc, m_i, l_i = carry
-            slot, s, m_own = own_keys(i, m_i)
+            m_own = jnp.maximum(m_i, s.max(axis=1))
             mx_smem.at[half][...] = m_own
             plgpu.barrier_arrive(m_bar)
             plgpu.barrier_wait(m_bar)
@@ -288,122 +204,25 @@ def _kernel(
             plgpu.barrier_arrive(p_bar)
             plgpu.barrier_wait(p_bar)
             p_other = plgpu.load(px_smem.at[other], layout=plgpu.Layout.WGMMA)
-            return full_p_times_v(acc, p16, p_other, slot), m_new, l_i
-
-        def step_v9(i, carry):
-            # v2 with one exchange per page: this consumer's P half goes out scaled by its own running
-            # maximum, with that maximum; both sides then rescale both halves to the larger of the two.
-            acc, m_i, l_i = carry
-            slot, s, m_own = own_keys(i, m_i)
-            p32 = jnp.exp2(s - lax.broadcast_in_dim(m_own, s.shape, [0]))
-            p16 = p32.astype(k_smem.dtype)
-
-            @pl.when(i > 0)
-            def _():  # page i - 1's P V is done on both sides: the other has read what this buffer held
-                plgpu.barrier_wait(consumed_bars.at[lax.rem(i - 1, NUM_SLOTS)])
-
-            px_smem.at[half][...] = p16
-            mx_smem.at[half][...] = m_own
-            plgpu.barrier_arrive(p_bar)
-            plgpu.barrier_wait(p_bar)
-            m_other = plgpu.load(mx_smem.at[other], layout=_ROW_LAYOUT)
-            p_other = plgpu.load(px_smem.at[other], layout=plgpu.Layout.WGMMA)
-            m_new = jnp.maximum(m_own, m_other)
-
-            def rescale(p_half, m_half):
-                # The same bf16 bits and the same factor on both sides, so both hold the same P.
-                c = jnp.exp2(m_half - m_new)
-                scaled = p_half.astype(jnp.float32) * lax.broadcast_in_dim(c, p_half.shape, [0])
-                return scaled.astype(p16.dtype)
-
-            p_mine, p_theirs = rescale(p16, m_own), rescale(p_other, m_other)
-            alpha = jnp.exp2(m_i - m_new)
-            # l from the fp32 P before any bf16 rounding (as v2): summing the twice-rounded p_mine put
-            # lse ~1e-3 off the reference (v2: ~1e-6), and this is one row sum and one scale fewer converts.
-            l_i = l_i * alpha + p32.sum(axis=1) * jnp.exp2(m_own - m_new)
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            return full_p_times_v(acc, p_mine, p_theirs, slot), m_new, l_i
-
-        def publish(p16, m_new):
-            # P and its row maxima for the other consumer; one P buffer serves both directions because the
-            # consumers take turns (module docstring, v3).
-            px_smem[...] = p16
-            mx_smem.at[half][...] = m_new
-            plgpu.barrier_arrive(m_bar if half == 0 else p_bar)
-
-        def take_other_page(j, carry):
-            """P V for page j, which the other consumer scored: its P and max from shared memory (their row
-            sums are taken here, so both consumers keep the full l)."""
-            acc, m_i, l_i = carry
-            slot = lax.rem(j, NUM_SLOTS)
-            plgpu.barrier_wait(k_bars.at[slot])
-            plgpu.barrier_wait(p_bar if half == 0 else m_bar)
-            m_other = plgpu.load(mx_smem.at[other], layout=_ROW_LAYOUT)
-            p_other = plgpu.load(px_smem, layout=plgpu.Layout.WGMMA)
-            alpha = jnp.exp2(m_i - m_other)
-            l_i = l_i * alpha + p_other.astype(jnp.float32).sum(axis=1)
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            acc = _pv(acc, p_other, v_half(slot), p_stage, interpret)
-            plgpu.barrier_arrive(consumed_bars.at[slot])
-            return acc, m_other, l_i
-
-        def turn_v3(t, carry):
-            # Page i = 2t + half is this consumer's to score. Its QK goes first (it needs only the page), then
-            # page i - 1 from the other consumer (its max is where page i's softmax starts), then page i.
-            i = 2 * t + half
-            slot = lax.rem(i, NUM_SLOTS)
-            plgpu.barrier_wait(k_bars.at[slot])
-            s = _masked_scores(q_smem, k_smem, slot, 0, PAGE_SIZE, (blk_lo + i) * PAGE_SIZE, limit, scale2)
-            if half == 0:  # page 0 has no predecessor
-                carry = lax.cond(i > 0, lambda c: take_other_page(i - 1, c), lambda c: c, carry)
-            else:
-                carry = take_other_page(i - 1, carry)
-            acc, m_i, l_i = carry
-            m_new = jnp.maximum(m_i, s.max(axis=1))
-            alpha = jnp.exp2(m_i - m_new)
-            p16 = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0])).astype(k_smem.dtype)
-            publish(p16, m_new)
-            l_i = l_i * alpha + p16.astype(jnp.float32).sum(axis=1)
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            acc = _pv(acc, p16, v_half(slot), p_stage, interpret)
+            # P V on this consumer's half of V with the full P [64, 64] made of the two consumers' halves.
+            p_full = jnp.concatenate([p16, p_other] if half == 0 else [p_other, p16], axis=1)
+            acc = _pv(acc, p_full, k_smem.at[slot, :, pl.ds(half * HALF, HALF)], p_stage, interpret)
             plgpu.barrier_arrive(consumed_bars.at[slot])
             return acc, m_new, l_i
 
         acc = plgpu.layout_cast(jnp.zeros((BLOCK_ROWS, HALF), jnp.float32), plgpu.Layout.WGMMA)
         m_i = plgpu.layout_cast(jnp.full((BLOCK_ROWS,), _M_INIT, jnp.float32), _ROW_LAYOUT)
         l_i = plgpu.layout_cast(jnp.zeros((BLOCK_ROWS,), jnp.float32), _ROW_LAYOUT)
-        if variant == "v3":
-            carry = lax.fori_loop(0, (n_steps + 1 - half) // 2, turn_v3, (acc, m_i, l_i))
-            # The last page, when the other consumer scored it, still needs this consumer's P V.
-            last_is_other = (n_steps >= 1) & (lax.rem(n_steps - 1, NUM_SLOTS) != half)
-            acc, m_i, l_i = lax.cond(last_is_other, functools.partial(take_other_page, n_steps - 1),
-                                     lambda c: c, carry)
-        else:
-            step = {"v2": step_v2, "v9": step_v9}.get(variant, step_v1)
-            if pingpong and half == 1:
-                schedule()
-            acc, m_i, l_i = lax.fori_loop(0, n_steps, step, (acc, m_i, l_i))
-            if pingpong and half == 0:
-                schedule()
+        acc, m_i, l_i = lax.fori_loop(0, n_steps, step, (acc, m_i, l_i))
 
-        if variant == "v9":  # the other may still read this consumer's last maxima until its last P V
-            @pl.when(n_steps > 0)
-            def _():
-                plgpu.barrier_wait(consumed_bars.at[lax.rem(n_steps - 1, NUM_SLOTS)])
-
-        if split_qk:  # the row sum is the two consumers' halves; they meet at done_bar anyway
-            mx_smem.at[half][...] = l_i
+        # The row sum is the two consumers' halves; they meet at done_bar anyway.
+        mx_smem.at[half][...] = l_i
         # Both consumers must be done reading the Q tile before it is reused to stage the output.
         plgpu.barrier_arrive(done_bar)
         plgpu.barrier_wait(done_bar)
-        if split_qk:
-            l_i = l_i + plgpu.load(mx_smem.at[other], layout=_ROW_LAYOUT)
-            # Consumer 0 stages the lse in row 1, which it has read already; consumer 1 now reads only row 0.
-            lse_stage = mx_smem.at[1]
-        elif variant == "v3":  # nothing reads the maxima after done_bar
-            lse_stage = mx_smem.at[0]
-        else:
-            lse_stage = lse_smem
+        l_i = l_i + plgpu.load(mx_smem.at[other], layout=_ROW_LAYOUT)
+        # Consumer 0 stages the lse in row 1, which it has read already; consumer 1 now reads only row 0.
+        lse_stage = mx_smem.at[1]
         empty = l_i == 0.0
         l_safe = jnp.where(empty, 1.0, l_i)
         out = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
@@ -457,9 +276,9 @@ def _merge_pair(a: Partial, b: Partial) -> Partial:
     return jnp.where(total > 0, m + jnp.log(safe), -jnp.inf), (oa * wa + ob * wb) / safe
 
 
-def _split_partials(out_parts: jax.Array, lse_parts: jax.Array, num_queries: int, num_heads: int,
-                    valid_queries: jax.Array | None) -> tuple[jax.Array, jax.Array]:
-    """What both merges start from: the real rows of the partials as out [B, S, Q, H, 512] and
+def split_partials(out_parts: jax.Array, lse_parts: jax.Array, num_queries: int, num_heads: int,
+                   valid_queries: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    """What a split merge starts from: the real rows of the partials as out [B, S, Q, H, 512] and
     lse [B, S, Q, H], padding queries (j >= valid_queries[b]) set to out 0 / lse -inf in every split."""
     bsz, ns = out_parts.shape[:2]
     rows = num_queries * num_heads
@@ -481,8 +300,8 @@ def merge_splits(out_parts: jax.Array, lse_parts: jax.Array, num_queries: int, n
     One XLA reduction: a variadic reduce over S of (lse broadcast over the 512 columns, out) whose
     reducer is `_merge_pair`; slicing, masking and the fp32 cast fuse into it as its inputs. One launch,
     but measured by GPU time on the H200 it is slow: 27 us at B=1, H=128 with 32 splits, 2.7x the kernel
-    (benchmarks/RESULTS.md, round four); `merge_splits_two_pass` is the candidate replacement."""
-    out, lse = _split_partials(out_parts, lse_parts, num_queries, num_heads, valid_queries)
+    (benchmarks/RESULTS.md, round four); a two-pass candidate is in `pallas_kernels/experimental`."""
+    out, lse = split_partials(out_parts, lse_parts, num_queries, num_heads, valid_queries)
     ns = out.shape[1]
     if ns == 1:
         return out[:, 0], lse[:, 0]
@@ -490,28 +309,6 @@ def merge_splits(out_parts: jax.Array, lse_parts: jax.Array, num_queries: int, n
     lse_b = jnp.broadcast_to(lse[..., None], out.shape)
     lse_m, out_m = lax.reduce((lse_b, out), (jnp.float32(-jnp.inf), jnp.float32(0.0)), _merge_pair, (1,))
     return out_m.astype(out_parts.dtype), lse_m[..., 0]
-
-
-def merge_splits_two_pass(out_parts: jax.Array, lse_parts: jax.Array, num_queries: int, num_heads: int,
-                          valid_queries: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-    """`merge_splits` by plain max and add reductions over S instead of one variadic reduce: m = max lse,
-    w = exp(lse - m), out = sum(w out) / sum(w), lse = m + log(sum w). Same contract and results (a test
-    holds the two equal). A candidate, not yet used: measured by GPU time on the H200, `merge_splits` takes
-    27 us at B = 1, H = 128 with 32 splits (2.7x the kernel) and 14 us at B = 8; this form is more ops
-    (8 fusions on CPU) but each is XLA's common reduction. `kernel_device_bench.py --only merge` times
-    both."""
-    out, lse = _split_partials(out_parts, lse_parts, num_queries, num_heads, valid_queries)
-    if out.shape[1] == 1:
-        return out[:, 0], lse[:, 0]
-    m = jnp.max(lse, axis=1)
-    m = jnp.where(m == -jnp.inf, 0.0, m)
-    w = jnp.exp(lse - m[:, None])  # [B, S, Q, H]; 0 for an empty split
-    total = jnp.sum(w, axis=1)
-    merged = jnp.sum(w[..., None] * out.astype(jnp.float32), axis=1)
-    safe = jnp.where(total > 0, total, 1.0)
-    out_m = merged / safe[..., None]
-    lse_m = jnp.where(total > 0, m + jnp.log(safe), -jnp.inf)
-    return out_m.astype(out_parts.dtype), lse_m
 
 
 def paged_mla_partials(
@@ -525,13 +322,10 @@ def paged_mla_partials(
     softmax_scale: float,
     num_splits: int | None = None,
     interpret: bool | None = None,
-    variant: str = DEFAULT_VARIANT,
 ) -> tuple[jax.Array, jax.Array]:
-    """Runs the kernel (`variant` in `KERNEL_VARIANTS`); returns the raw split partials out
-    [B, S, R_pad, 512] and lse [B, S, R_pad] with rows R = Q * H padded to a multiple of 64 (every
-    element is written, padding rows included)."""
+    """Runs the kernel; returns the raw split partials out [B, S, R_pad, 512] and lse [B, S, R_pad] with
+    rows R = Q * H padded to a multiple of 64 (every element is written, padding rows included)."""
     interpret = resolve_interpret(interpret)
-    check_variant(variant)
     bsz, nq, nh, _ = q_latent.shape
     check_kernel_args(q_latent, q_rope, kv_pages, block_table, q_start=q_start, kv_len=kv_len)
     if num_splits is not None and (not isinstance(num_splits, numbers.Integral) or num_splits < 1):
@@ -544,40 +338,29 @@ def paged_mla_partials(
     tiling = plgpu.TilingTransform((8, 64))
     swizzle = plgpu.SwizzleTransform(128)
     dtype = q.dtype
-    v2 = variant in SPLIT_QK_VARIANTS
-    v3 = variant == "v3"
-    exchange = v2 or v3  # the consumers trade maxima and P through shared memory
+    # Allocated in this order (it sets the shared-memory layout).
     scratch = dict(
         q_smem=plgpu.SMEM((BLOCK_ROWS, KV_DIM), dtype, transforms=(tiling, swizzle)),
         k_smem=plgpu.SMEM((NUM_SLOTS, PAGE_SIZE, KV_DIM), dtype, transforms=(tiling, swizzle)),
-        # v2 and v3 stage the lse in their exchange buffer instead (the 256 B that make their budget fit).
-        lse_smem=None if exchange else plgpu.SMEM((BLOCK_ROWS,), jnp.float32),
         # Only interpret mode stages the full P tile through shared memory (see the module docstring).
         p_smem=(
             plgpu.SMEM((2, BLOCK_ROWS, PAGE_SIZE), dtype, transforms=(tiling, swizzle)) if interpret else None
         ),
-        # v2's exchange: each consumer's P half [64, 32] and its row maxima (then row sums); the P halves
-        # come first so that they sit 1 KiB-aligned like every swizzled buffer.
-        px_smem=(
-            plgpu.SMEM((2, BLOCK_ROWS, HALF_PAGE), dtype,
-                       transforms=(plgpu.TilingTransform((8, HALF_PAGE)), plgpu.SwizzleTransform(64)))
-            if v2 else
-            # v3's one P tile [64, 64], written by the consumers in turn.
-            plgpu.SMEM((BLOCK_ROWS, PAGE_SIZE), dtype, transforms=(tiling, swizzle)) if v3 else None
-        ),
-        mx_smem=plgpu.SMEM((2, BLOCK_ROWS), jnp.float32) if exchange else None,
+        # The consumers' exchange: each one's P half [64, 32] and its row maxima (then row sums, then the
+        # lse); the P halves come first so that they sit 1 KiB-aligned like every swizzled buffer.
+        px_smem=plgpu.SMEM((2, BLOCK_ROWS, HALF_PAGE), dtype,
+                           transforms=(plgpu.TilingTransform((8, HALF_PAGE)), plgpu.SwizzleTransform(64))),
+        mx_smem=plgpu.SMEM((2, BLOCK_ROWS), jnp.float32),
         q_bar=plgpu.Barrier(num_barriers=1),
         k_bars=plgpu.Barrier(num_barriers=NUM_SLOTS),
         consumed_bars=plgpu.Barrier(num_arrivals=2, num_barriers=NUM_SLOTS),
         done_bar=plgpu.Barrier(num_arrivals=2),
-        # v2: both consumers meet at each; v3: m_bar says consumer 0's P is out, p_bar consumer 1's.
-        m_bar=plgpu.Barrier(num_arrivals=1 if v3 else 2) if exchange and variant != "v9" else None,
-        p_bar=plgpu.Barrier(num_arrivals=1 if v3 else 2) if exchange else None,
-        sched_bar=plgpu.Barrier(num_arrivals=2) if variant == "v8" else None,
+        m_bar=plgpu.Barrier(num_arrivals=2),  # both consumers meet at each
+        p_bar=plgpu.Barrier(num_arrivals=2),
     )
     body = functools.partial(
         _kernel, num_heads=nh, num_queries=nq, num_splits=num_splits,
-        softmax_scale=float(softmax_scale), interpret=bool(interpret), variant=variant,
+        softmax_scale=float(softmax_scale), interpret=bool(interpret),
     )
 
     names = [k for k, v in scratch.items() if v is not None]
@@ -600,7 +383,7 @@ def paged_mla_partials(
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(
-            approx_math=True, **({"reduction_scratch_bytes": V2_REDUCTION_SCRATCH} if exchange else {})),
+            approx_math=True, reduction_scratch_bytes=REDUCTION_SCRATCH_BYTES),
         # Interpret mode fills outputs and scratch with NaN first, so an unwritten element shows up.
         interpret=plgpu.InterpretGPUParams(uninitialized_memory="nan") if interpret else None,
     )(q, kv_pages, block_table.astype(jnp.int32), q_start.astype(jnp.int32), kv_len.astype(jnp.int32))
@@ -619,7 +402,6 @@ def paged_mla_attention(
     num_splits: int | None = None,
     interpret: bool | None = None,
     valid_queries: jax.Array | None = None,
-    variant: str = DEFAULT_VARIANT,
 ) -> tuple[jax.Array, jax.Array]:
     """Kernel core shared by decode and prefill; q_* are [B, Q, H, D]; semantics of
     `mla_reference.paged_attention_reference`. Returns out [B, Q, H, 512] and lse [B, Q, H].
@@ -627,12 +409,12 @@ def paged_mla_attention(
     _, nq, nh, _ = q_latent.shape
     out_parts, lse_parts = paged_mla_partials(
         q_latent, q_rope, kv_pages, block_table, q_start, kv_len,
-        softmax_scale=softmax_scale, num_splits=num_splits, interpret=interpret, variant=variant,
+        softmax_scale=softmax_scale, num_splits=num_splits, interpret=interpret,
     )
     return merge_splits(out_parts, lse_parts, nq, nh, valid_queries)
 
 
-@functools.partial(jax.jit, static_argnames=("softmax_scale", "num_splits", "interpret", "variant"))
+@functools.partial(jax.jit, static_argnames=("softmax_scale", "num_splits", "interpret"))
 def mla_decode(
     q_latent: jax.Array,
     q_rope: jax.Array,
@@ -643,7 +425,6 @@ def mla_decode(
     softmax_scale: float,
     interpret: bool | None = None,
     num_splits: int | None = None,
-    variant: str = DEFAULT_VARIANT,
 ) -> tuple[jax.Array, jax.Array]:
     """Absorbed MLA decode over a paged latent cache (Pallas Mosaic GPU).
 
@@ -654,14 +435,13 @@ def mla_decode(
     `num_splits` overrides the split-KV heuristic; `interpret=True` runs Pallas' GPU interpreter,
     `None` (default) does so whenever the default backend is not a GPU.
     With splits > 1 the partial outputs are kept in q's dtype before the fp32 combine.
-    `variant` picks the kernel design (`KERNEL_VARIANTS`, module docstring); `DEFAULT_VARIANT` by default.
     """
     q_latent, q_rope, squeeze = as_4d(q_latent, q_rope)
     check_cache_args(kv_pages, block_table, q_latent.shape[0], seq_lens=seq_lens)
     seq_lens = seq_lens.astype(jnp.int32)
     out, lse = paged_mla_attention(
         q_latent, q_rope, kv_pages, block_table, seq_lens - q_latent.shape[1], seq_lens,
-        softmax_scale=softmax_scale, num_splits=num_splits, interpret=interpret, variant=variant,
+        softmax_scale=softmax_scale, num_splits=num_splits, interpret=interpret,
     )
     if squeeze:
         out, lse = out[:, 0], lse[:, 0]

@@ -97,8 +97,8 @@ def test_fuzz_mla_configuration_lowers(seed):
             f = functools.partial(mla_prefill, softmax_scale=SCALE, num_splits=c["splits"], interpret=False)
             _lower(f, *args, lens, lens)
         else:
-            _lower(functools.partial(mla_decode, softmax_scale=SCALE, num_splits=c["splits"],
-                                     variant=c["variant"], interpret=False), *args, lens)
+            f = functools.partial(mla_decode, softmax_scale=SCALE, num_splits=c["splits"], interpret=False)
+            _lower(f, *args, lens)
     except Exception as e:
         raise AssertionError(f"seed {seed} {c}: {type(e).__name__}: {e}") from e
 

@@ -2,7 +2,8 @@
 
 CPU: the Pallas kernels run under the Mosaic GPU interpreter (`plgpu.InterpretGPUParams`, which fills
 kernel outputs and shared memory with NaN first, so an element the kernel fails to write shows up as
-NaN) against the `jnp` references evaluated in fp32. GPU (marked): real DeepSeek shapes.
+NaN) against the `jnp` references evaluated in fp32. GPU (marked): real DeepSeek shapes. The product
+kernel only; the kernel lab (`pallas_kernels.experimental.mla_variants`) is `tests/test_mla_variants.py`.
 """
 
 import math
@@ -13,14 +14,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.mla_common import KV_DIM, PAGE_SIZE
-from pallas_kernels.mla_decode import (
-    KERNEL_VARIANTS,
-    merge_splits,
-    merge_splits_two_pass,
-    mla_decode,
-    paged_mla_partials,
-    query_tiles,
-)
+from pallas_kernels.mla_decode import merge_splits, mla_decode, paged_mla_partials, query_tiles
 from pallas_kernels.mla_prefill import mla_chunk_attention, mla_prefill
 from pallas_kernels.mla_reference import (
     mla_decode_reference,
@@ -71,43 +65,45 @@ def _assert_close(out, lse, ref_out, ref_lse, tol=2e-2, lse_atol=2e-2, lse_rtol=
     np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), atol=lse_atol, rtol=lse_rtol)
 
 
-@pytest.mark.parametrize("variant", KERNEL_VARIANTS)
-@pytest.mark.parametrize(
-    "heads,nq,lens,splits",
-    [
-        (16, None, [1, 70, 200], None),  # ragged incl. 1 and non-multiples of 64, auto splits
-        (16, None, [130, 5], 3),  # more splits than some sequences have pages (empty splits)
-        (8, 3, [3, 64, 150], 2),  # several query tokens, causal among themselves
-        (128, None, [100, 64], 1),  # two 64-head row tiles, one split
-        (16, None, [300, 20], 1),  # 5 pages in one split: more pages than slots, every slot reused
-        (128, 2, [70, 130], 2),  # MTP at H=128: four row tiles, two splits (v2 only, see below)
-    ],
-)
-def test_decode_matches_reference(heads, nq, lens, splits, variant):
-    if variant == "v1" and (heads, nq) == (128, 2):
-        pytest.skip("v1's MTP and H=128 paths are covered by the other cases (keeps the CPU suite short)")
+# Decode cases for the CPU interpreter (tests/test_mla_variants.py runs the kernel lab's designs on them).
+DECODE_CASES = [
+    (16, None, [1, 70, 200], None),  # ragged incl. 1 and non-multiples of 64, auto splits
+    (16, None, [130, 5], 3),  # more splits than some sequences have pages (empty splits)
+    (8, 3, [3, 64, 150], 2),  # several query tokens, causal among themselves
+    (128, None, [100, 64], 1),  # two 64-head row tiles, one split
+    (16, None, [300, 20], 1),  # 5 pages in one split: more pages than slots, every slot reused
+    (128, 2, [70, 130], 2),  # MTP at H=128: four row tiles, two splits
+]
+
+
+def decode_case(heads, nq, lens, splits, decode=mla_decode):
+    """One of DECODE_CASES through `decode` (mla_decode's signature) in the interpreter, checked for
+    shapes and dtypes; returns its (out, lse) and the fp32 reference's."""
     rng = np.random.default_rng(len(lens) * 1000 + heads)
     kv, table = _make_cache(rng, lens)
     b = len(lens)
     shape = (b, heads) if nq is None else (b, nq, heads)
     ql, qr = _queries(rng, shape)
     seq = jnp.asarray(lens, jnp.int32)
-    out, lse = mla_decode(ql, qr, kv, table, seq, softmax_scale=SCALE, interpret=True, num_splits=splits,
-                          variant=variant)
+    out, lse = decode(ql, qr, kv, table, seq, softmax_scale=SCALE, interpret=True, num_splits=splits)
     assert out.shape == ql.shape and out.dtype == ql.dtype and lse.shape == ql.shape[:-1]
     assert lse.dtype == jnp.float32
     ref_out, ref_lse = mla_decode_reference(*_f32(ql, qr), jnp.nan_to_num(kv.astype(jnp.float32)), table, seq,
                                             softmax_scale=SCALE)
-    # The row sum l (hence lse, which weights the split merge) comes from fp32 P (~1e-6 off here) except in
-    # v3, which by design sums the other consumer's pages from the bf16 P it shares (~1e-3; v9's first
-    # form did so too and this bound caught it).
-    lse_atol = 2e-3 if variant == "v3" else 1e-4
-    _assert_close(out, lse, ref_out, ref_lse, lse_atol=lse_atol, lse_rtol=0)
+    return out, lse, ref_out, ref_lse
 
 
-@pytest.mark.parametrize("variant", KERNEL_VARIANTS)
-def test_every_partial_element_is_written(variant):
-    """Raw kernel outputs (all splits, padding rows included) hold no NaN although they start as NaN."""
+@pytest.mark.parametrize("heads,nq,lens,splits", DECODE_CASES)
+def test_decode_matches_reference(heads, nq, lens, splits):
+    out, lse, ref_out, ref_lse = decode_case(heads, nq, lens, splits)
+    # The row sum l (hence lse, which weights the split merge) comes from fp32 P: ~1e-6 off here.
+    _assert_close(out, lse, ref_out, ref_lse, lse_atol=1e-4, lse_rtol=0)
+
+
+def partials_case(partials=paged_mla_partials):
+    """Raw partials of `partials` (paged_mla_partials' signature) in the interpreter, 2 sequences (one of a
+    single page) x 2 tokens x 16 heads in 3 splits, checked: every element written (no NaN although
+    outputs start as NaN), and the single-page sequence's later, empty splits say so (lse -inf, out 0)."""
     rng = np.random.default_rng(7)
     lens = [1, 190]
     kv, table = _make_cache(rng, lens)
@@ -115,7 +111,7 @@ def test_every_partial_element_is_written(variant):
     seq = jnp.asarray(lens, jnp.int32)
     q_start = jnp.maximum(seq - 2, 0)
     out_p, lse_p = jax.jit(
-        lambda *a: paged_mla_partials(*a, softmax_scale=SCALE, num_splits=3, interpret=True, variant=variant)
+        lambda *a: partials(*a, softmax_scale=SCALE, num_splits=3, interpret=True)
     )(ql, qr, kv, table, q_start, seq)
     assert out_p.shape == (2, 3, 64, 512) and lse_p.shape == (2, 3, 64)
     assert not np.isnan(np.asarray(out_p, np.float32)).any()
@@ -123,6 +119,11 @@ def test_every_partial_element_is_written(variant):
     # Sequence 0 has one page: its later splits are empty and say so with lse = -inf and out = 0.
     assert np.all(np.asarray(lse_p)[0, 1:] == -np.inf)
     assert np.all(np.asarray(out_p, np.float32)[0, 1:] == 0)
+
+
+def test_every_partial_element_is_written():
+    """Raw kernel outputs (all splits, padding rows included) hold no NaN although they start as NaN."""
+    partials_case()
 
 
 def test_prefill_matches_reference():
@@ -210,15 +211,16 @@ def test_out_of_range_pages_and_lengths_read_only_the_pool():
 # ----------------------------------------------------------------------------------------------- GPU
 
 
-def _gpu_case(rng_key, b, h, nq, max_len, ragged=True, variant="v1"):
-    """Random cache with ragged lengths up to max_len; returns kernel and fp32-reference results."""
+def gpu_case(rng_key, b, h, nq, max_len, ragged=True, decode=mla_decode):
+    """Random cache with ragged lengths up to max_len; returns `decode`'s (mla_decode's signature) and the
+    fp32 reference's results."""
     rng = np.random.default_rng(rng_key)
     lens = rng.integers(max(nq, 1), max_len + 1, size=b) if ragged else np.full(b, max_len)
     lens[0] = max_len
     kv, table = _make_cache(rng, lens.tolist(), extra_pages=1, poison_unused=False)
     ql, qr = _queries(rng, (b, nq, h) if nq > 1 else (b, h))
     seq = jnp.asarray(lens, jnp.int32)
-    out, lse = mla_decode(ql, qr, kv, table, seq, softmax_scale=SCALE, variant=variant)
+    out, lse = decode(ql, qr, kv, table, seq, softmax_scale=SCALE)
     ref = jax.jit(lambda *a: mla_decode_reference(*a, softmax_scale=SCALE))
     ref_out, ref_lse = ref(*_f32(ql, qr, kv), table, seq)
     return out, lse, ref_out, ref_lse
@@ -228,24 +230,26 @@ def _gpu_case(rng_key, b, h, nq, max_len, ragged=True, variant="v1"):
 @pytest.mark.parametrize("h", [128, 16])
 @pytest.mark.parametrize("b,max_len", [(1, 32768), (8, 16384), (64, 4096), (128, 1024), (128, 1)])
 def test_decode_gpu_real_shapes(b, h, max_len):
-    out, lse, ref_out, ref_lse = _gpu_case(b * 7 + h, b, h, 1, max_len)
+    out, lse, ref_out, ref_lse = gpu_case(b * 7 + h, b, h, 1, max_len)
     _assert_close(out, lse, ref_out, ref_lse)
 
 
+# Ragged lengths, MTP, one short sequence (a partial page) and odd page counts; tests/test_mla_variants.py
+# runs the kernel lab's designs on the same shapes.
+GPU_EDGE_SHAPES = [(128, 64, 1, 4096), (16, 128, 1, 4096), (128, 8, 2, 16384), (16, 1, 1, 100),
+                   (128, 3, 1, 64 * 7 + 5)]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["v2", "v3", "v8", "v9"])
-@pytest.mark.parametrize("h,b,nq,max_len", [(128, 64, 1, 4096), (16, 128, 1, 4096), (128, 8, 2, 16384),
-                                            (16, 1, 1, 100), (128, 3, 1, 64 * 7 + 5)])
-def test_decode_gpu_variants(h, b, nq, max_len, variant):
-    """The exchange variants at real shapes: ragged lengths, MTP, one short sequence (a partial page), and
-    odd page counts (v3 pairs pages)."""
-    out, lse, ref_out, ref_lse = _gpu_case(b * 5 + h + nq, b, h, nq, max_len, variant=variant)
+@pytest.mark.parametrize("h,b,nq,max_len", GPU_EDGE_SHAPES)
+def test_decode_gpu_edge_shapes(h, b, nq, max_len):
+    out, lse, ref_out, ref_lse = gpu_case(b * 5 + h + nq, b, h, nq, max_len)
     _assert_close(out, lse, ref_out, ref_lse)
 
 
 @pytest.mark.gpu
 def test_decode_gpu_mtp_and_prefill():
-    out, lse, ref_out, ref_lse = _gpu_case(5, 16, 128, 2, 4096)
+    out, lse, ref_out, ref_lse = gpu_case(5, 16, 128, 2, 4096)
     _assert_close(out, lse, ref_out, ref_lse)
     rng = np.random.default_rng(9)
     start, chunk = [0, 1000, 3000], [512, 300, 77]
@@ -348,26 +352,6 @@ def test_merge_splits_is_the_log_sum_exp_merge():
     np.testing.assert_array_equal(np.asarray(lse1)[0], lse_p[0, 0, :rows].reshape(nq, nh))
 
 
-def test_two_pass_merge_equals_the_one_reduce_merge():
-    """The candidate `merge_splits_two_pass` against `merge_splits`: empty splits, fully empty rows, padding
-    queries, and a padding query whose partials hold garbage (masked by lse alone)."""
-    rng = np.random.default_rng(5)
-    b, s, nq, nh = 2, 6, 3, 8
-    out_p = rng.standard_normal((b, s, 64, 512)).astype(np.float32)
-    lse_p = 3 * rng.standard_normal((b, s, 64)).astype(np.float32)
-    lse_p[0, 3:] = -np.inf
-    lse_p[1, :, :nh] = -np.inf
-    out_p[lse_p == -np.inf] = 0.0
-    out_p[1, :, 2 * nh:3 * nh] = np.nan  # padding query 2 of sequence 1: whatever the kernel left there
-    valid = jnp.asarray([3, 2], jnp.int32)
-    args = (jnp.asarray(out_p), jnp.asarray(lse_p), nq, nh, valid)
-    out1, lse1 = merge_splits(*args)
-    out2, lse2 = merge_splits_two_pass(*args)
-    np.testing.assert_allclose(np.asarray(lse2), np.asarray(lse1), rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(out2), np.asarray(out1), rtol=1e-4, atol=1e-5)
-    assert np.all(np.asarray(out2)[1, 2:] == 0) and np.all(np.asarray(lse2)[1, 0] == -np.inf)
-
-
 def test_chunk_adaptor_and_model_dispatch_route_to_kernel_and_reference(caplog):
     """`mla_chunk_attention` gives kernel and reference the same arguments;
     `dsv3_jax.model.kernel_dispatch.mla_attention` routes through it (backend "pallas" runs the kernel here in
@@ -397,14 +381,15 @@ def test_chunk_adaptor_and_model_dispatch_route_to_kernel_and_reference(caplog):
 
 
 def test_no_module_imports_a_private_name_from_another():
-    """Kernel hygiene: a `_name` of one module is its own; shared helpers live in a public place."""
+    """Kernel hygiene: a `_name` of one module is its own; shared helpers live in a public place (the
+    experimental kernels included)."""
     import ast
     from pathlib import Path
 
     import pallas_kernels
 
     bad = []
-    for path in sorted(Path(pallas_kernels.__file__).parent.glob("*.py")):
+    for path in sorted(Path(pallas_kernels.__file__).parent.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom):
                 bad += [f"{path.name}: from {node.module} import {a.name}" for a in node.names
@@ -442,24 +427,20 @@ def test_glue_around_the_kernel_is_small():
     assert "dot" not in merge and len(merge) <= 4, merge  # reduce + cast + lse slice (+ a layout copy)
 
 
-@pytest.mark.parametrize("variant", KERNEL_VARIANTS)
-@pytest.mark.parametrize("heads", [128, 16])
-def test_decode_kernel_lowers_for_hopper(variant, heads):
-    """Ahead-of-time lowering for CUDA needs no GPU and runs Mosaic GPU's layout inference, dialect lowering
-    and its 227 KiB shared-memory check, at DeepSeek's decode shape (B=64, S=4K): v2's exchange buffers fit
-    next to the Q tile and the two pages, and its wgmma / load / concatenate layouts are well formed."""
+def decode_lowers_for_hopper(heads, decode=mla_decode):
+    """`decode` (mla_decode's signature) at DeepSeek's decode shape (B=64, S=4K), lowered for CUDA."""
     sds = jax.ShapeDtypeStruct
     b, s = 64, 4096
     args = (sds((b, heads, 512), jnp.bfloat16), sds((b, heads, 64), jnp.bfloat16),
             sds((b * s // PAGE, PAGE, KV_DIM), jnp.bfloat16), sds((b, s // PAGE), jnp.int32),
             sds((b,), jnp.int32))
-    f = jax.jit(lambda *a: mla_decode(*a, softmax_scale=SCALE, interpret=False, variant=variant))
+    f = jax.jit(lambda *a: decode(*a, softmax_scale=SCALE, interpret=False))
     assert "mosaic_gpu" in f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-def test_unknown_variant_raises():
-    rng = np.random.default_rng(0)
-    kv, table = _make_cache(rng, [10])
-    ql, qr = _queries(rng, (1, 16))
-    with pytest.raises(ValueError, match="variant"):
-        mla_decode(ql, qr, kv, table, jnp.asarray([10]), softmax_scale=SCALE, interpret=True, variant="v99")
+@pytest.mark.parametrize("heads", [128, 16])
+def test_decode_kernel_lowers_for_hopper(heads):
+    """Ahead-of-time lowering for CUDA needs no GPU and runs Mosaic GPU's layout inference, dialect lowering
+    and its 227 KiB shared-memory check: the exchange buffers fit next to the Q tile and the two pages
+    (module docstring's budget), and the wgmma / load / concatenate layouts are well formed."""
+    decode_lowers_for_hopper(heads)
