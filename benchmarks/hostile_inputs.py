@@ -44,7 +44,7 @@ from dsv3_jax.config import ModelConfig  # noqa: E402
 CFG = ModelConfig.preset("tiny").replace(vocab_size=512)
 INDEX = "model.safetensors.index.json"
 # Every library error is a ValueError subclass, files give OSError, a request the engine stopped on
-# device (non-finite logits) gives decode.GenerationError.
+# device (non-finite logits) gives request_stream.GenerationError.
 from dsv3_jax.request_stream import GenerationError  # noqa: E402
 
 EXPECTED = (ValueError, OSError, GenerationError)

@@ -1,8 +1,9 @@
 """The public entry point: `dsv3_jax.load(path, ...)` -> `ModelHandle`.
 
 Owns: turning a checkpoint directory (converted Orbax, or HF safetensors directly) into a ready model
-on a mesh, and the handle's small surface (`config`, `forward`, generation and chat via generate.py).
-Must not implement model math, sampling or sharding rules itself.
+on a mesh, and the handle's small surface (`config`, `forward`, `generate` / `chat` through the request
+layer, request_stream.py). Must not implement model math, sampling, sharding rules, request checks or
+streaming itself, nor read training code (the compact form is formats/compact.py's).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,12 +19,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsv3_jax import request_stream as decode
+from dsv3_jax import request_stream
 from dsv3_jax.cli import check_mesh, compute_dtype_name
 from dsv3_jax.config import ModelConfig
 from dsv3_jax.engine.executor import enable_compilation_cache
 from dsv3_jax.engine.sampling import load_generation_defaults
-from dsv3_jax.formats import checkpoint
+from dsv3_jax.formats import checkpoint, compact
 from dsv3_jax.model.attention import ATTENTION_FORMS
 from dsv3_jax.model.trace_options import TraceOptions
 from dsv3_jax.model.transformer import Transformer
@@ -44,8 +45,6 @@ class ModelHandle:
     tokenizer: Tokenizer | None = None
     generation_defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
     param_shardings: Any = None  # NamedShardings of `params` on `mesh` (None without a mesh)
-    # EngineConfig fields generate() uses (CLI: --max-batch, --max-batched-tokens, the plan-sized pool)
-    engine_defaults: dict[str, int] = dataclasses.field(default_factory=dict)
     # How engines over this handle build their device side: (handle, EngineConfig) -> executor.Executor.
     # None (one process): engine/executor.DeviceExecutor. A multi-host leader's parallel/lockstep.Lockstep
     # sets its `executor` here (parallel.flags.start's caller, after loading) so followers replay each step.
@@ -112,7 +111,7 @@ class ModelHandle:
                  seed: int | Sequence[int] = 0,
                  stop: str | Sequence[str] | Sequence[Sequence[str] | None] | None = None,
                  logprobs: int | Sequence[int | None] | None = None, stream: bool = False,
-                 ignore_eos: bool = False, spec_k: int = 0,
+                 ignore_eos: bool = False, spec_k: int = 0, sizing: Mapping[str, int] | None = None,
                  warmup_progress: Callable[..., None] | None = None):
         """Generate for one prompt or a batch (strings or token-id lists) through the serving engine.
 
@@ -122,6 +121,8 @@ class ModelHandle:
         temperature 0 is greedy. `spec_k` > 0 drafts that many tokens per step with the MTP head
         (speculative decoding; greedy output is unchanged, sampled output keeps its distribution).
         `warmup_progress(done, total, step_key, seconds)`: compile every step program first, reporting each.
+        `sizing`: EngineConfig fields to use instead of sizing the engine for these prompts (the CLI's
+        --max-batch, --max-batched-tokens and the plan-sized pool; request_stream.engine_config).
 
         Per prompt, as the server does per request: `max_new_tokens`, `temperature`, `top_p`, `top_k`,
         `seed` and `logprobs` each take one value for all prompts or a list with one per prompt; `stop`
@@ -132,12 +133,12 @@ class ModelHandle:
         single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], (int, np.integer)))
         batch = [prompts] if single else list(prompts)
         ids = [self._encode(p) for p in batch]
-        params = decode.prompt_params(len(ids), self.generation_defaults, max_new_tokens=max_new_tokens,
-                                      temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
-                                      logprobs=logprobs)
-        eos = [] if ignore_eos else self.eos_ids()
-        it = decode.stream(self, ids, params, eos_ids=eos, tokenizer=self.tokenizer, spec_k=spec_k,
-                           warmup_progress=warmup_progress)
+        params = request_stream.batch_params(
+            len(ids), self.generation_defaults, max_new_tokens=max_new_tokens, temperature=temperature,
+            top_p=top_p, top_k=top_k, seed=seed, stop=stop, logprobs=logprobs,
+            eos=[] if ignore_eos else self.eos_ids())
+        it = request_stream.stream(self, ids, params, tokenizer=self.tokenizer, spec_k=spec_k, sizing=sizing,
+                                   warmup_progress=warmup_progress)
         if stream:
             return (piece if single else (i, piece) for i, piece, res in it if res is None and piece)
         results: list[GenerationResult | None] = [None] * len(ids)
@@ -194,7 +195,7 @@ class ModelHandle:
 
 
 # The embedded default: a small DeepSeek-V3 (real MLA widths, MoE, MTP) trained on the standard library's
-# source, stored in train.py's compact form (used vocabulary rows only; see default_model/README.md).
+# source, stored in the compact form (formats/compact.py: used vocabulary rows only; default_model/README.md).
 DEFAULT_MODEL_DIR = Path(__file__).parent / "default_model"
 
 
@@ -255,13 +256,11 @@ def load(path: str | Path | None = None, *, mesh: Any = None, attention: str = "
 
 
 def _host_params(path: Path, cfg: ModelConfig) -> dict[str, Any]:
-    """The parameter tree on the host: compact part files (train.py's form, the default model's storage)
-    expanded to the full vocabulary, or an HF / converted checkpoint read by checkpoint.py."""
-    from dsv3_jax import train
-
-    if not train.has_compact(path):
+    """The parameter tree on the host: compact part files (formats/compact.py, the default model's
+    storage) expanded to the full vocabulary, or an HF / converted checkpoint read by checkpoint.py."""
+    if not compact.has_compact(path):
         return checkpoint.load_params(path, cfg, dtype=jnp.dtype(cfg.dtype))
-    return checkpoint.cast_tree(train.tie_mtp(train.import_compact(path)), jnp.dtype(cfg.dtype))
+    return checkpoint.cast_tree(compact.tie_mtp(compact.import_compact(path)), jnp.dtype(cfg.dtype))
 
 
 def _weights_dtype(cfg: ModelConfig) -> str:

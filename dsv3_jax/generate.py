@@ -3,8 +3,9 @@
 Owns: flag parsing and checking every flag before loading (--dtype spellings and --mesh via cli.py,
 sampling values and the seed range), reading prompts (--prompt, --input-file: UTF-8 with or without
 BOM, lines or JSONL, --interactive REPL), streaming to the terminal, --json output, and turning bad
-input into one line on stderr with a non-zero exit (no traceback). Must not implement decoding
-(decode.py) or loading (api.py).
+input into one line on stderr with a non-zero exit (no traceback), and the engine sizing the flags and
+the memory plan fix (passed to `handle.generate` as `sizing`, never stored on the handle).
+Must not implement requests or decoding (request_stream.py, engine/) or loading (api.py).
 """
 
 from __future__ import annotations
@@ -155,14 +156,14 @@ def _to_ids(handle, item: Any, args: argparse.Namespace) -> list[int]:
     return handle.tokenizer.encode(item)
 
 
-def _gen_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+def _gen_kwargs(args: argparse.Namespace, sizing: dict[str, int]) -> dict[str, Any]:
     from dsv3_jax.parallel.flags import warmup_printer
 
     # Progress lines on a terminal only: piped stderr keeps the one-line error contract (the warmup runs).
     progress = None if args.no_warmup else (warmup_printer("dsv3_jax.generate") if sys.stderr.isatty()
                                             else lambda *_: None)
     return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                top_k=args.top_k, seed=args.seed, stop=args.stop or None, spec_k=args.mtp,
+                top_k=args.top_k, seed=args.seed, stop=args.stop or None, spec_k=args.mtp, sizing=sizing,
                 warmup_progress=progress)
 
 
@@ -180,10 +181,10 @@ def _print_stats(results) -> None:
               f"tokens/step {num(m.get('tokens_per_step')):.2f}", file=sys.stderr)
 
 
-def _run_batch(handle, args: argparse.Namespace) -> None:
+def _run_batch(handle, args: argparse.Namespace, sizing: dict[str, int]) -> None:
     ids = [_to_ids(handle, it, args) for it in _read_inputs(args)]
     if args.json or len(ids) > 1 or args.stats:
-        results = handle.generate(ids, **_gen_kwargs(args))
+        results = handle.generate(ids, **_gen_kwargs(args, sizing))
         for i, r in enumerate(results):
             if args.json:
                 print(json.dumps({"index": i, **r.to_dict()}, ensure_ascii=False))
@@ -194,13 +195,13 @@ def _run_batch(handle, args: argparse.Namespace) -> None:
         return
     t0 = time.perf_counter()
     n = 0
-    for piece in handle.generate(ids[0], stream=True, **_gen_kwargs(args)):
+    for piece in handle.generate(ids[0], stream=True, **_gen_kwargs(args, sizing)):
         print(piece, end="", flush=True)
         n += 1
     print(f"\n[{n} pieces in {time.perf_counter() - t0:.2f} s]", file=sys.stderr)
 
 
-def _run_interactive(handle, args: argparse.Namespace) -> None:
+def _run_interactive(handle, args: argparse.Namespace, sizing: dict[str, int]) -> None:
     from dsv3_jax.text.chat import encode_chat
 
     history: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
@@ -219,7 +220,7 @@ def _run_interactive(handle, args: argparse.Namespace) -> None:
         ids = encode_chat(handle.tokenizer, history, add_generation_prompt=True, thinking=args.thinking)
         print("assistant> ", end="", flush=True)
         reply = "".join(print(p, end="", flush=True) or p
-                        for p in handle.generate(ids, stream=True, **_gen_kwargs(args)))
+                        for p in handle.generate(ids, stream=True, **_gen_kwargs(args, sizing)))
         print()
         history.append({"role": "assistant", "content": reply})
 
@@ -249,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if ls is not None:
             handle.executor_factory = ls.executor  # its engines announce each device operation
-        handle.engine_defaults = parallel_cli.engine_defaults(handle, args, spec_k=args.mtp)
+        sizing = parallel_cli.engine_defaults(handle, args, spec_k=args.mtp)  # flags + the plan-sized pool
         from dsv3_jax.engine.executor import enable_compilation_cache
 
         where = enable_compilation_cache()
@@ -258,9 +259,9 @@ def main(argv: list[str] | None = None) -> int:
         if handle.tokenizer is None:
             raise ValueError(f"{args.ckpt}: no tokenizer.json in the checkpoint; the CLI needs one")
         if args.interactive:
-            _run_interactive(handle, args)
+            _run_interactive(handle, args, sizing)
         else:
-            _run_batch(handle, args)
+            _run_batch(handle, args, sizing)
     except (ValueError, OSError, jinja2.TemplateError) as e:  # ConfigError, CheckpointError, PlanError...
         _stop_followers(ls, e)
         return report_error("generate", e)

@@ -1,33 +1,53 @@
-"""Generation on top of the serving engine: what `handle.generate` and the CLI call.
+"""The request-stream layer: one request from its parameters to a stream of typed deltas. `handle.generate`
+(api.py), the `generate` CLI (through it) and the server (serve/runner.py + serve/app.py) all use it.
 
-Owns: per-prompt generation settings (`PromptParams`: what one server request carries), sizing an engine
-for a batch of prompts, stop strings (`StopMatcher`, shared with the server; a hit cancels the request in
-the engine), streaming text through the incremental detokenizer, and results with timings and logprobs.
-Decoding itself (ragged steps on device, sampling, MTP), request validation and pages-needed are the
-engine's; placing page pools on a mesh is sharding.py's. Imports the engine, never the other way
-round. Must not parse CLI flags or files.
+Owns, for one request (prompt ids + parameters):
+- resolving its parameters once (`resolve`: generation_config defaults -> explicit values, a
+  `RequestParams`; `batch_params` does it for a batch given per prompt or once for all);
+- checking it once before any engine sees it (`check`: engine/api.check_request and the sampling
+  ranges against `Limits`, the model's and the engine's bounds; `RequestInvalid` names the field at
+  fault). `Limits.room` is what "all that fits" means for a prompt. No other layer re-checks context,
+  token range or logprobs (the engine's `add_request` applies the same contract as its own guard);
+- turning its engine events into `Delta`s (`RequestStream`): token ids, text through the incremental
+  detokenizer, stop strings (`StopMatcher`: no piece of a stop string is ever emitted; a hit ends the
+  stream with `FinishReason.STOP` and the driver cancels the request in its engine), logprobs, and
+  exactly one final delta carrying a `FinishReason` (engine/api.py);
+- the offline driver (`stream`): one engine sized for a batch of prompts (`engine_config`), results
+  with timings (`GenerationResult`).
+Must not parse CLI flags, files or HTTP bodies, format the OpenAI wire (serve/), implement decoding
+(engine/), or call an engine from more than one thread. Imports the engine, never the other way round.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from dsv3_jax.engine.api import EngineConfig, TokenLogprob, check_request, pages_needed
+from dsv3_jax.engine.api import (
+    EngineConfig,
+    FinishReason,
+    StepEvent,
+    TokenLogprob,
+    check_request,
+    pages_needed,
+)
 from dsv3_jax.engine.core import Engine
-from dsv3_jax.engine.sampling import MAX_LOGPROBS, validate_sampling_params
+from dsv3_jax.engine.sampling import apply_defaults, validate_sampling_params
 from dsv3_jax.model import kv_cache
 from dsv3_jax.parallel import sharding
 from dsv3_jax.text.tokenizer import IncrementalDetokenizer, Tokenizer
 
+# ------------------------------------------------------------------------------- parameters and checks
+
 
 @dataclasses.dataclass(frozen=True)
-class PromptParams:
-    """One prompt's settings: sampling (temperature 0 = greedy), length, seed, stop strings, and
-    `logprobs` = how many top alternatives to return with each token's logprob (None: no logprobs)."""
+class RequestParams:
+    """One request's settings, every default already applied: sampling (temperature 0 = greedy), length,
+    seed, stop strings, `logprobs` = how many top alternatives to return with each token's logprob (None:
+    no logprobs), and the token ids that end it (`eos`, empty: none)."""
 
     max_new_tokens: int = 64
     temperature: float = 1.0
@@ -36,13 +56,119 @@ class PromptParams:
     seed: int = 0
     stop: tuple[str, ...] = ()
     logprobs: int | None = None
+    eos: tuple[int, ...] = ()
 
     def engine_kwargs(self) -> dict[str, Any]:
-        kw = {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature, "top_p": self.top_p,
-              "top_k": self.top_k, "seed": self.seed}
-        if self.logprobs is not None:
-            kw["logprobs"] = self.logprobs
-        return kw
+        """The keyword arguments of `EngineProtocol.add_request`."""
+        return {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature, "top_p": self.top_p,
+                "top_k": self.top_k, "seed": self.seed, "eos": list(self.eos), "logprobs": self.logprobs}
+
+
+def resolve(defaults: Mapping[str, Any], *, max_new_tokens: Any, temperature: Any = None, top_p: Any = None,
+            top_k: Any = None, seed: Any = 0, stop: Sequence[str] = (), logprobs: Any = None,
+            eos: Sequence[int] = ()) -> RequestParams:
+    """The one place a request's parameters are resolved: None takes the checkpoint's generation_config
+    default (`defaults`, see sampling.apply_defaults). Values are not checked here (`check` does)."""
+    t, p, k = apply_defaults(defaults, temperature, top_p, top_k)
+    return RequestParams(_plain(max_new_tokens), _plain(t), _plain(p), _plain(k), _plain(seed),
+                         tuple(s for s in stop if s), _plain(logprobs), tuple(int(e) for e in eos))
+
+
+def _plain(x: Any) -> Any:
+    """numpy scalars as Python numbers (frozen params compare and print plainly); anything else as is."""
+    return x.item() if isinstance(x, np.generic) else x
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """What a request must fit: the model's vocabulary and context, the engine's draft tokens per step,
+    and (a server's fixed page pool) the tokens one request may hold."""
+
+    vocab_size: int
+    context: int
+    spec_k: int = 0
+    pool_tokens: int | None = None
+
+    @classmethod
+    def of(cls, model_config: Any, engine_config: EngineConfig | None = None, *, spec_k: int = 0) -> Limits:
+        """A model's limits; with `engine_config`, also its pool (page 0 is scratch) and its spec_k."""
+        if engine_config is None:
+            return cls(model_config.vocab_size, model_config.max_position_embeddings, spec_k)
+        ec = engine_config
+        return cls(model_config.vocab_size, model_config.max_position_embeddings, ec.spec_k,
+                   (ec.num_pages - 1) * ec.page_size)
+
+    @property
+    def capacity(self) -> int:
+        """Tokens one request may span: prompt + generated + drafts."""
+        return self.context if self.pool_tokens is None else min(self.context, self.pool_tokens)
+
+    def room(self, prompt_len: int) -> int:
+        """New tokens a prompt of `prompt_len` tokens leaves room for (< 1: the prompt cannot run)."""
+        return self.capacity - prompt_len - self.spec_k
+
+
+class RequestInvalid(ValueError):
+    """A request no engine could run. `field`: the parameter at fault ("prompt", "max_new_tokens",
+    "logprobs", or None for a sampling value, which the message names)."""
+
+    def __init__(self, message: str, field: str | None):
+        super().__init__(message)
+        self.field = field
+
+
+def check(prompt: Sequence[int], params: RequestParams, limits: Limits, *, what: str = "prompt") -> None:
+    """Raise RequestInvalid for a request that could never run: engine/api.check_request (empty prompt,
+    token ids outside the vocabulary, a non-positive max_new_tokens, prompt + max_new_tokens + drafts
+    beyond `limits.capacity`, logprobs outside 0..MAX_LOGPROBS) and the sampling ranges (int32 seed)."""
+    p = params
+    try:
+        validate_sampling_params(p.temperature, p.top_p, p.top_k, seed=p.seed)
+    except ValueError as e:
+        raise RequestInvalid(str(e), None) from None
+    kw = dict(vocab_size=limits.vocab_size, context=limits.capacity, spec_k=limits.spec_k, what=what)
+    try:
+        check_request(prompt, p.max_new_tokens, logprobs=p.logprobs, **kw)
+    except ValueError as e:
+        # The field at fault: the first argument whose addition makes the same check fail.
+        field = "logprobs"
+        for name, m in (("prompt", 1), ("max_new_tokens", p.max_new_tokens)):
+            try:
+                check_request(prompt, m, **kw)
+            except ValueError:
+                field = name
+                break
+        raise RequestInvalid(str(e), field) from None
+
+
+def batch_params(n: int, defaults: Mapping[str, Any], *, max_new_tokens: Any = 64, temperature: Any = None,
+                 top_p: Any = None, top_k: Any = None, seed: Any = 0, stop: Any = None, logprobs: Any = None,
+                 eos: Sequence[int] = ()) -> list[RequestParams]:
+    """`n` RequestParams (`resolve` each) from values given once for all prompts or as one-per-prompt
+    lists (ValueError naming the argument on a length mismatch). A single integer seed gives prompt i
+    the seed `seed + i`; `stop` is a string or list of strings for all, or a list of lists (or None)."""
+    def each(name: str, value: Any) -> list[Any]:
+        if isinstance(value, list | tuple) or (isinstance(value, np.ndarray) and value.ndim == 1):
+            if len(value) != n:
+                raise ValueError(f"{name} has {len(value)} values for {n} prompts")
+            return list(value)
+        return [value] * n
+
+    if isinstance(stop, str) or stop is None:
+        stops = [(stop,) if stop else ()] * n
+    elif all(isinstance(s, str) for s in stop):
+        stops = [tuple(stop)] * n
+    else:
+        stops = [(x,) if isinstance(x, str) else tuple(x or ()) for x in each("stop", stop)]
+    seeds = [int(seed) + i for i in range(n)] if isinstance(seed, int | np.integer) else each("seed", seed)
+    return [resolve(defaults, max_new_tokens=m, temperature=t, top_p=p, top_k=k, seed=s, stop=st,
+                    logprobs=lp, eos=eos)
+            for m, t, p, k, s, st, lp in zip(each("max_new_tokens", max_new_tokens),
+                                             each("temperature", temperature), each("top_p", top_p),
+                                             each("top_k", top_k), seeds, stops, each("logprobs", logprobs))]
+
+
+# ------------------------------------------------------------------------------------------ the stream
 
 
 class StopMatcher:
@@ -85,19 +211,107 @@ def held_tail(text: str, markers: Sequence[str]) -> int:
     return best
 
 
+@dataclasses.dataclass
+class Delta:
+    """What one engine event adds to a request's stream. The last delta of a stream has `finish_reason`."""
+
+    token_ids: list[int]  # every token the engine produced in this event (text may stop short of them)
+    text: str = ""  # "" without a tokenizer
+    logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)  # one per token id when asked
+    finish_reason: FinishReason | None = None
+    error: str | None = None  # with ERROR: why
+    rejected: bool = False  # with ERROR: the engine refused the request (the caller's fault, not a failure)
+    by_stop_string: bool = False  # with STOP: a stop string ended it (not an end-of-sequence token)
+    cached_tokens: int = 0  # final delta: prompt tokens the engine served from its prefix cache
+
+
+class RequestStream:
+    """One request's stream state: feed it the request's engine events (`on_event`), get `Delta`s.
+
+    Single-threaded like the engine it follows. When `on_event` returns a final delta for an event that
+    did not finish the request (a stop string was hit), the driver must `cancel` the request in its
+    engine. `cancel`, `reject` and `fail` end a stream the engine will not finish itself.
+    """
+
+    def __init__(self, params: RequestParams, tokenizer: Tokenizer | None = None, *,
+                 skip_special_tokens: bool = False):
+        if params.stop and tokenizer is None:
+            raise ValueError("stop strings need a tokenizer (this checkpoint has none)")
+        self.params = params
+        self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens) if tokenizer is not None else None
+        self.stop = StopMatcher(params.stop)
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        self.finish_reason: FinishReason | None = None
+        self.error: str | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def on_event(self, ev: StepEvent) -> Delta:
+        if self.done:
+            raise RuntimeError(f"request {ev.rid}: event after the stream ended ({self.finish_reason})")
+        d = Delta(list(ev.new_tokens))
+        self.token_ids += d.token_ids
+        if self.logprobs is not None and ev.logprobs:
+            d.logprobs = list(ev.logprobs)
+            self.logprobs += d.logprobs
+        if self.detok is not None:
+            pieces = []
+            for tok in d.token_ids:
+                pieces.append(self.stop.feed(self.detok.add(tok)))
+                if self.stop.stopped:
+                    break
+            d.text = "".join(pieces)
+        if self.stop.stopped:
+            return self._end(d, FinishReason.STOP)
+        if ev.finished:
+            return self._end(d, ev.finish_reason, ev.error)
+        self.text += d.text
+        return d
+
+    def cancel(self) -> Delta:
+        """The final delta of a request cancelled by its caller (e.g. the client went away)."""
+        return self._end(Delta([]), FinishReason.CANCELLED)
+
+    def reject(self, message: str) -> Delta:
+        """The final delta of a request its engine refused (`add_request` raised ValueError)."""
+        return self._end(Delta([], rejected=True), FinishReason.ERROR, message)
+
+    def fail(self, message: str) -> Delta:
+        """The final delta of a request whose engine failed (or shut down) under it."""
+        return self._end(Delta([]), FinishReason.ERROR, message)
+
+    def _end(self, d: Delta, reason: FinishReason, error: str | None = None) -> Delta:
+        if self.detok is not None and reason != FinishReason.ERROR and not self.stop.stopped:
+            d.text += self.stop.feed(self.detok.flush())  # bytes the detokenizer held
+        d.text += self.stop.flush()  # text the stop matcher held
+        if self.stop.stopped:
+            reason, d.by_stop_string = FinishReason.STOP, True
+        self.text += d.text
+        self.finish_reason = d.finish_reason = FinishReason(reason)
+        self.error = d.error = error
+        return d
+
+
+# ------------------------------------------------------------------------------------ offline driver
+
+
 class GenerationError(RuntimeError):
     """A request failed on device (e.g. non-finite logits); the message is one line."""
 
 
 @dataclasses.dataclass
 class GenerationResult:
-    """One prompt's outcome. `finish_reason`: "stop" (EOS or a stop string) or "length".
+    """One prompt's outcome. `finish_reason`: STOP (EOS or a stop string) or LENGTH.
     Times exclude compilation; `time_to_first_token_s` is None if no token came."""
 
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str | None
-    finish_reason: str
+    finish_reason: FinishReason
     time_to_first_token_s: float | None
     decode_tokens_per_s: float
     total_time_s: float
@@ -108,142 +322,79 @@ class GenerationResult:
         return dataclasses.asdict(self)
 
 
-def stream(handle: Any, prompts: Sequence[Sequence[int]], params: Sequence[PromptParams], *,
-           eos_ids: Sequence[int] = (), tokenizer: Tokenizer | None = None, spec_k: int = 0,
+def engine_config(handle: Any, prompts: Sequence[Sequence[int]], params: Sequence[RequestParams], *,
+                  spec_k: int = 0, sizing: Mapping[str, Any] | None = None) -> EngineConfig:
+    """An EngineConfig for running `prompts` at once: a pool that holds them all and enough row slots,
+    in powers of two (repeated calls reuse the compiled steps); `sizing` (EngineConfig fields: the CLI's
+    --max-batch / --max-batched-tokens, the plan-sized pool) overrides. DP attention: every batch shard's
+    slice holds them all (each device keeps one slice, so per device this is the one-device pool)."""
+    ps = kv_cache.PAGE_SIZE
+    pages = sum(pages_needed(len(p), q.max_new_tokens, spec_k, ps) for p, q in zip(prompts, params))
+    shards = 1 if handle.mesh is None else sharding.batch_multiple(handle.mesh)
+    fields = {"num_pages": shards * (1 + _pow2(pages)), "max_batch": max(_pow2(len(prompts)), 64),
+              **(sizing or {})}
+    return EngineConfig(page_size=ps, spec_k=spec_k, **fields)
+
+
+def stream(handle: Any, prompts: Sequence[Sequence[int]], params: Sequence[RequestParams], *,
+           tokenizer: Tokenizer | None = None, spec_k: int = 0, sizing: Mapping[str, Any] | None = None,
            warmup_progress: Callable[..., None] | None = None
            ) -> Iterator[tuple[int, str, GenerationResult | None]]:
-    """Run `prompts` (with `params[i]` each) through a serving engine sized for them; yield
-    (prompt index, new text piece, result-or-None), the result when a prompt ends.
+    """Run `prompts` (with `params[i]` each) through one engine (`engine_config`); yield (prompt index,
+    new text piece, result-or-None), the result when a prompt ends. Every request is checked (`check`)
+    before the engine is built. A request that fails on device raises GenerationError (the others are
+    cancelled).
 
     With `warmup_progress` (see `Engine.warmup`'s `progress`), every step program these prompts can
     use is compiled before the first step (the CLI shows it); otherwise programs compile on first use."""
-    cfg = handle.config
-    prompts = [list(map(int, p)) for p in prompts]
+    prompts = [[int(t) for t in p] for p in prompts]
+    if not prompts:
+        raise ValueError("no prompts given")
     if len(params) != len(prompts):
         raise ValueError(f"{len(params)} parameter sets for {len(prompts)} prompts")
-    _validate(cfg, prompts, params)
-    if any(p.stop for p in params) and tokenizer is None:
-        raise ValueError("stop strings need a tokenizer (this checkpoint has none)")
-    ps = kv_cache.PAGE_SIZE
-    pages = sum(pages_needed(len(p), q.max_new_tokens, spec_k, ps) for p, q in zip(prompts, params))
-    # Power-of-two pool and row-slot sizes: repeated calls reuse the compiled steps.
-    # DP attention: every batch shard's slice can hold them all (each device keeps one slice, so per
-    # device this is the one-device pool).
-    shards = 1 if handle.mesh is None else sharding.batch_multiple(handle.mesh)
-    sizing = {"num_pages": shards * (1 + _pow2(pages)), "max_batch": max(_pow2(len(prompts)), 64),
-              **getattr(handle, "engine_defaults", {})}  # flags and the plan-sized pool (parallel_cli)
-    ecfg = EngineConfig(page_size=ps, spec_k=spec_k, **sizing)
+    limits = Limits.of(handle.config, spec_k=spec_k)
+    for i, (p, q) in enumerate(zip(prompts, params)):
+        check(p, q, limits, what=f"prompt {i}")
+    streams = [RequestStream(q, tokenizer) for q in params]
+    ecfg = engine_config(handle, prompts, params, spec_k=spec_k, sizing=sizing)
     eng = Engine(handle, ecfg)
     if warmup_progress is not None:
         # A step holds at most one chunk (or decode row) of each prompt: the programs beyond never run.
         most = sum(max(min(len(p), ecfg.chunk_size), spec_k + 1) for p in prompts)
         modes = {"full" if q.temperature > 0 or q.logprobs is not None else "greedy" for q in params}
         eng.warmup(max_rows=len(prompts), max_tokens=most, modes=sorted(modes), progress=warmup_progress)
-    rids = {eng.add_request(p, eos=eos_ids, **q.engine_kwargs()): i
-            for i, (p, q) in enumerate(zip(prompts, params))}
-    detok = {r: IncrementalDetokenizer(tokenizer) if tokenizer else None for r in rids}
-    stops = {r: StopMatcher(params[i].stop) for r, i in rids.items()}
-    texts = {r: "" for r in rids}
-    lps: dict[int, list[TokenLogprob] | None] = {r: [] if params[i].logprobs is not None else None
-                                                 for r, i in rids.items()}
-    stopped: set[int] = set()
+    rids = {eng.add_request(p, **q.engine_kwargs()): i for i, (p, q) in enumerate(zip(prompts, params))}
     t0 = eng.clock()
     while eng.has_work():
         for ev in eng.step():
-            if ev.rid in stopped:
-                continue  # its stop string was hit; this is the cancelled request's last word
-            i, d, m = rids[ev.rid], detok[ev.rid], stops[ev.rid]
-            if lps[ev.rid] is not None and ev.logprobs:
-                lps[ev.rid] += ev.logprobs
-            for tok in ev.new_tokens:
-                piece = m.feed(d.add(tok)) if d else ""
-                texts[ev.rid] += piece
-                if piece:
-                    yield i, piece, None
-                if m.stopped:
-                    break
-            if m.stopped:
-                stopped.add(ev.rid)
-                if not ev.finished:
-                    eng.cancel(ev.rid)
-            if ev.finish_reason == "error":
+            i = rids[ev.rid]
+            s = streams[i]
+            if s.done:
+                continue  # its stop string was hit: the cancelled request's last word
+            d = s.on_event(ev)
+            if s.done and not ev.finished:
+                eng.cancel(ev.rid)
+            if d.finish_reason == FinishReason.ERROR:
                 for rid in rids:
                     eng.cancel(rid)
-                raise GenerationError(f"prompt {i}: {ev.error}")
-            if ev.finished or m.stopped:
-                yield from _result(eng, ev.rid, i, texts, d, m, tokenizer, stopped, lps[ev.rid], t0)
+                raise GenerationError(f"prompt {i}: {d.error}")
+            if d.text:
+                yield i, d.text, None
+            if s.done:
+                yield i, "", _result(eng, ev.rid, s, tokenizer is not None, t0)
 
 
-def _result(eng, rid, i, texts, d, m, tokenizer, stopped, lps, t0):
+def _result(eng: Engine, rid: int, s: RequestStream, has_text: bool, t0: float) -> GenerationResult:
     r = eng.finished[rid]
-    reason = "stop" if rid in stopped else r.finish_reason
-    if d and rid not in stopped:
-        tail = m.feed(d.flush()) + m.flush()  # bytes held by the detokenizer, text held by the stop matcher
-        if m.stopped:
-            reason = "stop"
-        texts[rid] += tail
-        if tail:
-            yield i, tail, None
     metrics = r.metrics()
     total = eng.clock() - t0
     ttft = metrics["ttft_s"]
     n_dec = max(len(r.output) - 1, 0)
     rate = n_dec / (total - ttft) if n_dec and ttft is not None and total > ttft else 0.0
-    yield i, "", GenerationResult(r.prompt, r.output, texts[rid] if tokenizer else None, reason, ttft, rate,
-                                  total, metrics, lps[: len(r.output)] if lps is not None else None)
+    lps = s.logprobs[: len(r.output)] if s.logprobs is not None else None
+    return GenerationResult(r.prompt, r.output, s.text if has_text else None, s.finish_reason, ttft, rate,
+                            total, metrics, lps)
 
 
 def _pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
-
-
-def _validate(cfg: Any, prompts: list[list[int]], params: Sequence[PromptParams]) -> None:
-    if not prompts:
-        raise ValueError("no prompts given")
-    for i, (p, q) in enumerate(zip(prompts, params)):
-        check_request(p, q.max_new_tokens, vocab_size=cfg.vocab_size, context=cfg.max_position_embeddings,
-                      what=f"prompt {i}")
-
-
-def prompt_params(n: int, defaults: dict[str, Any], *, max_new_tokens: Any = 64, temperature: Any = None,
-                  top_p: Any = None, top_k: Any = None, seed: Any = 0, stop: Any = None,
-                  logprobs: Any = None) -> list[PromptParams]:
-    """`n` PromptParams from values given once for all prompts or as one-per-prompt lists (ValueError
-    naming the argument on a length mismatch); sampling defaults from generation_config (`defaults`)."""
-    def each(name: str, value: Any) -> list[Any]:
-        if isinstance(value, list | tuple) or (hasattr(value, "ndim") and value.ndim == 1):
-            if len(value) != n:
-                raise ValueError(f"{name} has {len(value)} values for {n} prompts")
-            return list(value)
-        return [value] * n
-
-    if isinstance(stop, str) or stop is None:
-        stops = [(stop,) if stop else ()] * n
-    elif all(isinstance(s, str) for s in stop):
-        stops = [tuple(stop)] * n
-    else:
-        stops = [(x,) if isinstance(x, str) else tuple(x or ()) for x in each("stop", stop)]
-    seeds = [int(seed) + i for i in range(n)] if isinstance(seed, int | np.integer) else each("seed", seed)
-    out = []
-    for i, (m, t, p, k, lp) in enumerate(zip(each("max_new_tokens", max_new_tokens),
-                                             each("temperature", temperature), each("top_p", top_p),
-                                             each("top_k", top_k), each("logprobs", logprobs))):
-        s = sampling_settings(defaults, t, p, k)
-        validate_sampling_params(s["temperature"], s["top_p"], s["top_k"], seed=seeds[i])  # int32 seeds
-        if not isinstance(m, int | np.integer) or isinstance(m, bool) or m < 1:
-            raise ValueError(f"max_new_tokens must be a positive integer, got {m!r}")
-        if lp is not None and not (isinstance(lp, int | np.integer) and 0 <= lp <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be an integer in 0..{MAX_LOGPROBS} (or None), got {lp!r}")
-        out.append(PromptParams(int(m), s["temperature"], s["top_p"], s["top_k"], int(seeds[i]), stops[i],
-                                None if lp is None else int(lp)))
-    return out
-
-
-def sampling_settings(defaults: dict[str, Any], temperature: float | None, top_p: float | None,
-                      top_k: int | None) -> dict[str, float]:
-    """Flags override the checkpoint's generation_config defaults; temperature 0 is greedy."""
-    t = defaults.get("temperature", 1.0) if temperature is None else temperature
-    p = defaults.get("top_p", 1.0) if top_p is None else top_p
-    k = defaults.get("top_k", 0) if top_k is None else top_k
-    validate_sampling_params(t, p, k)
-    return {"temperature": float(t), "top_p": float(p), "top_k": int(k)}

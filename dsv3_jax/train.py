@@ -7,9 +7,10 @@ with the main model as in DeepSeek-V3), the aux-loss-free router-bias update, Ad
 cosine, the jitted train step, evaluation (next-token accuracy, MTP accuracy, MTP/main agreement =
 greedy k=1 acceptance), the compact vocabulary (`VocabMap`: rare and unseen tokens share one embedding
 / head row, so training computes logits over ~16K rows and the weights ship small; the
-full-vocabulary model is exactly the compact one expanded), moving trained weights around
-(`export_compact` / `import_compact`, the shipped default's storage form) and `save_checkpoint` (an
-HF directory `dsv3_jax.load` reads). CLI: `python -m dsv3_jax.train --preset dsv3-small ...`.
+full-vocabulary model is exactly the compact one expanded), choosing the rows the shipped
+default stores (`export_compact` / `export_compact_rows`; the part-file format itself, its reader and
+the MTP tie are formats/compact.py's) and `save_checkpoint` (an HF directory `dsv3_jax.load` reads).
+CLI: `python -m dsv3_jax.train --preset dsv3-small ...`.
 Must not own the model math (model.py) or the HF name mapping (dsv3_jax/formats/hf_names.py, tree_to_hf.py).
 """
 
@@ -33,7 +34,7 @@ import numpy as np
 import optax
 
 from dsv3_jax.config import ModelConfig
-from dsv3_jax.formats.safetensors_io import read_header, read_tensor, write_safetensors
+from dsv3_jax.formats.compact import TIED, flatten, import_compact, tie_mtp, write_parts
 from dsv3_jax.formats.tree_to_hf import write_hf_weights
 from dsv3_jax.model.transformer import Transformer
 
@@ -63,7 +64,6 @@ DSV3_SMALL = ModelConfig(
     eos_token_id=1, dtype="bfloat16",
 )
 TRAIN_PRESETS: dict[str, ModelConfig] = {"small-mtp": SMALL_MTP, "dsv3-small": DSV3_SMALL}
-_TIED = (("mtp", "embed_tokens", "embedding"), ("mtp", "shared_head_head", "weight"))
 
 
 def preset(name: str) -> ModelConfig:
@@ -236,12 +236,6 @@ def compute_dtype() -> jnp.dtype:
     return jnp.dtype(jnp.bfloat16 if jax.default_backend() != "cpu" else jnp.float32)
 
 
-def _get(tree: dict, path: tuple[str, ...]) -> Any:
-    for k in path:
-        tree = tree[k]
-    return tree
-
-
 def init_params(cfg: ModelConfig, key: jax.Array, tie_head: bool = False) -> dict[str, Any]:
     """fp32 training parameters: the whole tree minus the MTP copies of the embedding and head (shared),
     and minus lm_head itself with `tie_head` (its rows are the embedding's).
@@ -256,32 +250,9 @@ def init_params(cfg: ModelConfig, key: jax.Array, tie_head: bool = False) -> dic
     if tie_head:
         del params["lm_head"]
     if "mtp" in params:
-        for path in _TIED:
+        for path in TIED:
             del params[path[0]][path[1]]
     return params
-
-
-def tie_mtp(params: dict[str, Any]) -> dict[str, Any]:
-    """The model's full tree: the MTP embedding / head are the main model's (DeepSeek-V3 shares them);
-    a tree trained with a tied head (no lm_head) gets the embedding as its head."""
-    if "lm_head" not in params:
-        params = {**params, "lm_head": {"weight": params["embed_tokens"]["embedding"]}}
-    if "mtp" not in params or "embed_tokens" in params["mtp"]:
-        return params
-    mtp = {**params["mtp"], "embed_tokens": {"embedding": params["embed_tokens"]["embedding"]},
-           "shared_head_head": {"weight": params["lm_head"]["weight"]}}
-    return {**params, "mtp": mtp}
-
-
-def untie_mtp(params: dict[str, Any]) -> dict[str, Any]:
-    """A full tree back to the training form (refusing one whose MTP copies differ from the main's)."""
-    if "mtp" not in params or "embed_tokens" not in params["mtp"]:
-        return params
-    for path, main in zip(_TIED, (("embed_tokens", "embedding"), ("lm_head", "weight")), strict=True):
-        if not np.array_equal(np.asarray(_get(params, path)), np.asarray(_get(params, main))):
-            raise ValueError(f"{'/'.join(path)} differs from {'/'.join(main)}: not a shared-head model")
-    mtp = {k: v for k, v in params["mtp"].items() if k not in ("embed_tokens", "shared_head_head")}
-    return {**params, "mtp": mtp}
 
 
 def cast_for_compute(params: dict[str, Any], dtype: jnp.dtype) -> dict[str, Any]:
@@ -494,48 +465,27 @@ def save_checkpoint(params: dict[str, Any], cfg: ModelConfig, tokenizer: Any, ds
     return dst
 
 
-def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in tree.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}/"))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
-def _unflatten(flat: dict[str, Any]) -> dict[str, Any]:
-    tree: dict[str, Any] = {}
-    for name, v in flat.items():
-        node = tree
-        *parents, leaf = name.split("/")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = v
-    return tree
-
-
 def export_compact(params: dict[str, Any], used: np.ndarray, dst: str | Path, *,
                    part_bytes: int = 15 * 1024**2, dtype: str = "bfloat16") -> list[Path]:
     """Full-vocabulary training params (after `restrict_vocab`) as `compact.part-NNN` files of <=
     part_bytes: one safetensors blob, floats in `dtype` (router bias fp32), embedding / head rows of
     `used` tokens only plus the one shared head row of the rest. `import_compact` inverts it."""
     used = np.asarray(used, bool)
-    flat = {k: np.asarray(v) for k, v in _flatten(jax.tree_util.tree_map(np.asarray, params)).items()}
+    flat = {k: np.asarray(v) for k, v in flatten(jax.tree_util.tree_map(np.asarray, params)).items()}
     head = flat["lm_head/weight"]
     if (~used).any():
         flat["lm_head_fill"] = head[np.argmin(used)]
     flat["embed_tokens/embedding"] = flat["embed_tokens/embedding"][used]
     flat["lm_head/weight"] = head[used]
     flat["used_ids"] = np.flatnonzero(used).astype(np.int32)
-    return _write_parts(flat, {"vocab_size": str(len(used))}, Path(dst), part_bytes, dtype)
+    return write_parts(flat, {"vocab_size": str(len(used))}, Path(dst), part_bytes, dtype)
 
 
 def export_compact_rows(params: dict[str, Any], vm: VocabMap, dst: str | Path, *,
                         part_bytes: int = 15 * 1024**2, dtype: str = "bfloat16") -> list[Path]:
     """Compact-vocabulary training params (`train` with `vocab_min_count`) in `export_compact`'s format:
     the kept tokens' rows, the shared row as `embed_fill` / `lm_head_fill`, no head at all when tied."""
-    flat = {k: np.asarray(v) for k, v in _flatten(jax.tree_util.tree_map(np.asarray, params)).items()}
+    flat = {k: np.asarray(v) for k, v in flatten(jax.tree_util.tree_map(np.asarray, params)).items()}
     r = len(vm.kept)
     emb = flat["embed_tokens/embedding"]
     if emb.shape[0] != vm.rows:
@@ -547,59 +497,7 @@ def export_compact_rows(params: dict[str, Any], vm: VocabMap, dst: str | Path, *
         flat["lm_head/weight"], flat["lm_head_fill"] = head[:r], head[r]
     flat["used_ids"] = vm.kept.astype(np.int32)
     meta = {"vocab_size": str(vm.vocab_size), "tied_head": "1" if tied else "0"}
-    return _write_parts(flat, meta, Path(dst), part_bytes, dtype)
-
-
-def _write_parts(flat: dict[str, np.ndarray], meta: dict[str, str], dst: Path, part_bytes: int,
-                 dtype: str) -> list[Path]:
-    np_dt = np.dtype(jnp.dtype(dtype))
-    flat = {k: v if k.endswith("e_score_correction_bias") or k == "used_ids" else v.astype(np_dt)
-            for k, v in flat.items()}
-    dst.mkdir(parents=True, exist_ok=True)
-    blob_path = dst / "compact.safetensors.tmp"
-    write_safetensors(blob_path, flat, meta)
-    blob = blob_path.read_bytes()
-    blob_path.unlink()
-    files = []
-    for i in range(0, len(blob), part_bytes):
-        f = dst / f"compact.part-{i // part_bytes:03d}"
-        f.write_bytes(blob[i:i + part_bytes])
-        files.append(f)
-    return files
-
-
-def has_compact(src: str | Path) -> bool:
-    """Whether `src` holds `export_compact` part files."""
-    return any(Path(src).glob("compact.part-*"))
-
-
-def import_compact(src: str | Path) -> dict[str, Any]:
-    """The training params (numpy, full vocabulary, with lm_head) from `export_compact`'s or
-    `export_compact_rows`' part files in `src`."""
-    parts = sorted(Path(src).glob("compact.part-*"))
-    if not parts:
-        raise FileNotFoundError(f"no compact.part-* files in {src}")
-    with tempfile.TemporaryDirectory() as tmp:
-        blob = Path(tmp) / "compact.safetensors"
-        blob.write_bytes(b"".join(p.read_bytes() for p in parts))
-        infos, meta = read_header(blob)
-        flat = {k: read_tensor(v) for k, v in infos.items()}
-    vocab = int(meta["vocab_size"])
-    used_ids = flat.pop("used_ids")
-
-    def expand(rows: np.ndarray, fill: np.ndarray | None) -> np.ndarray:
-        full = np.broadcast_to(fill if fill is not None else np.zeros_like(rows[0]),
-                               (vocab, rows.shape[1])).copy()
-        full[used_ids] = rows
-        return full
-
-    emb_fill, head_fill = flat.pop("embed_fill", None), flat.pop("lm_head_fill", None)
-    flat["embed_tokens/embedding"] = expand(flat["embed_tokens/embedding"], emb_fill)
-    if meta.get("tied_head") == "1":
-        flat["lm_head/weight"] = flat["embed_tokens/embedding"].copy()
-    else:
-        flat["lm_head/weight"] = expand(flat["lm_head/weight"], head_fill)
-    return _unflatten(flat)
+    return write_parts(flat, meta, Path(dst), part_bytes, dtype)
 
 
 # ---------------------------------------------------------------------------------------- training

@@ -34,10 +34,11 @@ def _splits(text: str) -> list[list[str]]:
     return out
 
 
-def _run(pieces, **kw):
-    p = ChatOutputParser(**kw)
+def _run(pieces, stop=(), **kw):
+    # As the server composes them: the request layer's stop strings cut the text, then the chat parser.
+    m, p = StopMatcher(stop), ChatOutputParser(**kw)
     reasoning, content, calls = "", "", {}
-    for d in [p.feed(x) for x in pieces] + [p.flush()]:
+    for d in [p.feed(m.feed(x)) for x in pieces] + [p.feed(m.flush()), p.flush()]:
         reasoning += d.reasoning
         content += d.content
         for c in d.tool_calls:
@@ -49,7 +50,7 @@ def _run(pieces, **kw):
     assert (reasoning, content) == (p.reasoning, p.content)
     streamed = [(c["name"], c["arguments"]) for c in calls.values()]
     assert streamed == [(c.name, c.arguments) for c in p.tool_calls]
-    return reasoning, content, streamed, p.stopped
+    return reasoning, content, streamed, m.stopped
 
 
 def _check_all_splits(text, expected, **kw):

@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 
 from dsv3_jax import api
-from dsv3_jax.engine.core import Engine, EngineConfig
+from dsv3_jax.engine.api import EngineConfig
+from dsv3_jax.engine.core import Engine
 from dsv3_jax.text.chat import encode_chat
 
 # The serving extras: the server runs on fastapi + uvicorn, this side talks to it with openai and httpx and
@@ -294,15 +295,6 @@ def test_models_health_and_metrics(server, client):
     json.dumps(_health(server))  # plain JSON
 
 
-def _engine_has_logprobs() -> bool:
-    import inspect
-
-    from dsv3_jax.engine.core import Engine
-
-    return "logprobs" in inspect.signature(Engine.add_request).parameters
-
-
-@pytest.mark.skipif(not _engine_has_logprobs(), reason="this Engine has no logprobs yet (ENGINE_API.md)")
 def test_logprobs_are_the_engines(client, handle):
     """The server returns the engine's logprobs faithfully: each request is replayed here through an Engine
     on the same weights with the server's EngineConfig, alone as it ran on the server (same step shapes,

@@ -1,8 +1,9 @@
 """Server paths that need a forced model output: V3.1 tool calls, reasoning + tools, and admission (429).
 
-The model here is a scripted stand-in for the Engine (same contract as ENGINE_API.md: add_request,
-cancel, step, has_work, finished, pool, engine_stats) used ONLY to force what the model "says"; the app,
-runner thread, parsers, SSE and the official openai client are the real ones (in-process ASGI).
+The model here is a scripted stand-in for the Engine (the contract of engine/api.py: add_request, cancel,
+step, has_work, engine_stats; plus what the runner reads: finished, pool, waiting, running) used ONLY
+to force what the model "says"; the app, runner thread, request streams, parsers, SSE and the official
+openai client are the real ones (in-process ASGI).
 Everything that a real model can exercise is tested against the real server in test_serve.py.
 """
 
@@ -14,7 +15,7 @@ import types
 
 import pytest
 
-from dsv3_jax.engine.core import EngineConfig, StepEvent
+from dsv3_jax.engine.api import EngineConfig, FinishReason, StepEvent
 from dsv3_jax.engine.paging import PagePool
 from dsv3_jax.model import kv_cache
 from dsv3_jax.serve.parsers import CALL_BEGIN, CALL_END, CALL_SEP, CALLS_BEGIN, CALLS_END
@@ -38,7 +39,7 @@ ARGS = '{"city": "Paris", "days": [1, 2]}'
 
 
 class ScriptedEngine:
-    """Emits `script` (token ids) for every request, a few tokens per step, then finishes with "stop".
+    """Emits `script` (token ids) for every request, a few tokens per step, then finishes with STOP.
 
     `hold=True` keeps every request running without output (to fill the admission bound).
     """
@@ -69,7 +70,7 @@ class ScriptedEngine:
     def cancel(self, rid):
         r = next((r for r in self.running if r.rid == rid), None)
         if r is not None:
-            self._finish(r, "cancelled")
+            self._finish(r, FinishReason.CANCELLED)
         return r is not None
 
     def has_work(self):
@@ -84,13 +85,16 @@ class ScriptedEngine:
             new = self.script[len(r.output): len(r.output) + 3][: r.max_new_tokens - len(r.output)]
             r.output += new
             done = len(r.output) >= min(len(self.script), r.max_new_tokens)
+            reason = None
             if done:
-                self._finish(r, "stop" if len(r.output) == len(self.script) else "length")
-            events.append(StepEvent(r.rid, new, done))
+                reason = FinishReason.STOP if len(r.output) == len(self.script) else FinishReason.LENGTH
+                self._finish(r, reason)
+            events.append(StepEvent(r.rid, new, done, reason))
         return events
 
     def engine_stats(self):
-        return {"steps": 1, "mean_batch": 1.0, "prefix_hit_rate": 0.0, "mtp_acceptance": float("nan")}
+        return {"steps": 1, "mean_batch": 1.0, "prefix_hit_rate": 0.0, "mtp_acceptance": float("nan"),
+                "compiles": 0, "compiles_after_warmup": 0}
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import pytest
 
 import dsv3_jax
 from dsv3_jax import train as T
-from dsv3_jax.formats import hf_names
+from dsv3_jax.formats import compact, hf_names
 from dsv3_jax.formats.tree_to_hf import tree_to_hf
 from dsv3_jax.model.transformer import Transformer
 
@@ -30,7 +30,7 @@ def _random_params(cfg, seed=0):
 
 def _logits(cfg, params, toks):
     model = Transformer(cfg, jnp.dtype(cfg.dtype), False, "absorbed")
-    full = {"params": T.tie_mtp(params)}
+    full = {"params": compact.tie_mtp(params)}
     logits, hidden, _ = model.apply(full, toks)
     pos = jnp.broadcast_to(jnp.arange(toks.shape[1] - 1), (toks.shape[0], toks.shape[1] - 1))
     mtp, _, _ = model.apply(full, hidden[:, :-1], toks[:, 1:], pos, method=model.mtp_logits)
@@ -86,7 +86,7 @@ def test_training_reduces_loss_and_balances_router():
 
 
 def test_tree_to_hf_is_the_inverse_of_hf_names():
-    full = T.tie_mtp(_random_params(CFG))
+    full = compact.tie_mtp(_random_params(CFG))
     tensors = tree_to_hf(full, CFG)
     expected = hf_names.expected_hf_tensors(CFG)
     assert set(tensors) == set(expected)
@@ -108,12 +108,12 @@ def test_save_load_round_trip_gives_identical_logits(tmp_path, dtype):
     assert h.config == cfg
     toks = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 12)), jnp.int32)
     a, am = _logits(cfg, params, toks)
-    b, bm = _logits(cfg, T.untie_mtp(h.params), toks)
+    b, bm = _logits(cfg, compact.untie_mtp(h.params), toks)
     np.testing.assert_array_equal(a, b)
     np.testing.assert_array_equal(am, bm)
     # The handle's jitted forward against the same jitted forward over the saved params: like with like
     # (a jitted program may keep a bf16 intermediate that op-by-op `_logits` rounds, or the reverse).
-    ref = dataclasses.replace(h, params=T.tie_mtp(params))
+    ref = dataclasses.replace(h, params=compact.tie_mtp(params))
     np.testing.assert_array_equal(h.forward(np.asarray(toks)), ref.forward(np.asarray(toks)))
 
 
@@ -127,7 +127,7 @@ def test_compact_export_round_trip(tmp_path):
     assert np.all(np.asarray(r["embed_tokens"]["embedding"])[~used] == 0)
     files = T.export_compact(r, used, tmp_path, part_bytes=20_000)
     assert len(files) > 1 and all(f.stat().st_size <= 20_000 for f in files)
-    back = T.import_compact(tmp_path)
+    back = compact.import_compact(tmp_path)
     want = jax.tree_util.tree_map(np.asarray, T.cast_for_compute(r, jnp.bfloat16))
     jax.tree_util.tree_map(np.testing.assert_array_equal, back, want)
     with pytest.raises(ValueError, match="used"):

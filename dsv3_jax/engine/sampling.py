@@ -3,8 +3,10 @@
 Owns: `SamplingParams` (per-request arrays, so one batch mixes settings), their validation, the filtered
 distribution (`probs_after_filtering`), `sample`, the engine's per-row keys (`row_keys`), speculative
 verification (`speculative_sample`: accept drafts left to right, rejection-resample the first refused
-one), per-token log-probabilities (`token_logprobs`), and reading defaults from a checkpoint's
-`generation_config.json`. Does not own the decode loop or stop conditions.
+one), per-token log-probabilities (`token_logprobs`, at most engine/api.MAX_LOGPROBS alternatives), and
+a checkpoint's `generation_config.json` defaults: reading them and applying them to a request's values
+(`apply_defaults`, the one place; request_stream.resolve calls it). Does not own the decode loop or
+stop conditions.
 
 Order of operations, as in transformers and DeepSeek's reference: logits / temperature, keep the top_k
 most likely tokens (0 = no limit), then keep the smallest set of those whose probability reaches top_p
@@ -15,12 +17,15 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from dsv3_jax.engine.api import MAX_LOGPROBS
 
 GENERATION_CONFIG_FILE = "generation_config.json"
 
@@ -246,9 +251,6 @@ def speculative_sample(logits: jax.Array, drafts: jax.Array, ndraft: jax.Array, 
     return jnp.stack(out_tok, 1), n_new
 
 
-MAX_LOGPROBS = 20  # top alternatives a request may ask for (OpenAI's limit)
-
-
 def token_logprobs(logits: jax.Array, chosen: jax.Array, top: int = MAX_LOGPROBS
                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """log_softmax of the raw logits [..., V] (before temperature and filtering, like vLLM's default):
@@ -275,3 +277,13 @@ def load_generation_defaults(directory: str | os.PathLike) -> dict:
     if not path.exists():
         return {}
     return read_generation_config(path)  # typed and range-checked there, errors name the field
+
+
+def apply_defaults(defaults: Mapping[str, Any], temperature: Any, top_p: Any,
+                   top_k: Any) -> tuple[Any, Any, Any]:
+    """(temperature, top_p, top_k): each given value, else the checkpoint's default (`defaults` as
+    `load_generation_defaults` returns them), else 1.0 / 1.0 / 0 (plain sampling). Temperature 0 is
+    greedy. Not validated here (`validate_sampling_params`)."""
+    return (defaults.get("temperature", 1.0) if temperature is None else temperature,
+            defaults.get("top_p", 1.0) if top_p is None else top_p,
+            defaults.get("top_k", 0) if top_k is None else top_k)

@@ -19,7 +19,7 @@ EXIT_BAD_INPUT = 2
 
 
 def _parser() -> argparse.ArgumentParser:
-    from dsv3_jax.engine.core import EngineConfig
+    from dsv3_jax.engine.api import EngineConfig
 
     d = EngineConfig()
     p = argparse.ArgumentParser(prog="python -m dsv3_jax.serve",
@@ -68,9 +68,9 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def engine_config(args: argparse.Namespace) -> Any:
-    from dsv3_jax.engine.core import EngineConfig
+    from dsv3_jax.engine.api import EngineConfig
 
-    extra = {k: getattr(args, k) for k in ("token_buckets", "row_buckets") if getattr(args, k, None)}
+    extra = {k: getattr(args, k) for k in ("token_buckets", "row_buckets") if getattr(args, k) is not None}
     return EngineConfig(num_pages=args.num_pages, max_batch=args.max_batch, chunk_size=args.chunk_size,
                         prefix_caching=not args.no_prefix_caching, spec_k=args.spec_k,
                         max_batched_tokens=args.max_batched_tokens, **extra)
@@ -84,7 +84,7 @@ def load_handle(args: argparse.Namespace) -> Any:
     elif not args.ckpt.is_dir():
         raise FileNotFoundError(f"checkpoint directory not found: {args.ckpt}")
     return api.load(args.ckpt, mesh=args.mesh, attention=args.attention, dtype=args.dtype,
-                    n_activated_experts=getattr(args, "n_activated_experts", None))
+                    n_activated_experts=args.n_activated_experts)
 
 
 def build(args: argparse.Namespace, handle: Any = None):
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from dsv3_jax.config import ConfigError
-    from dsv3_jax.engine.core import EngineConfig
+    from dsv3_jax.engine.api import EngineConfig
     from dsv3_jax.parallel import flags as parallel_cli
     from dsv3_jax.parallel.distributed import DistributedError
 

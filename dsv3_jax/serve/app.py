@@ -1,10 +1,13 @@
 """The HTTP side: FastAPI routes of the OpenAI-compatible API over one EngineRunner.
 
-Owns: reading and validating request bodies (errors reshaped to OpenAI's `{"error": {...}}` with the
-offending field, never a traceback), building prompts (chat template with per-request thinking, the V3.1
-tool block), sampling defaults from the checkpoint's generation_config, turning engine tokens into text
-(incremental detokenization, stop strings, reasoning and tool-call parsing via parsers.py), SSE streaming,
-cancelling on client disconnect, and the HTTP-side metrics (requests, tokens, TTFT, ITL).
+Owns the HTTP concerns only: reading and validating request bodies (errors reshaped to OpenAI's
+`{"error": {...}}` with the offending field, never a traceback), building prompts (chat template with
+per-request thinking, the V3.1 tool block), wire conventions of parameters (top_k -1, a random seed per
+request, n choices), reasoning and tool-call parsing of the streamed text (parsers.py), wire logprobs and
+finish reasons, usage, SSE streaming, cancelling on client disconnect, HTTP status codes (`_failure`, the
+one mapping), and the HTTP-side metrics (requests, tokens, TTFT, ITL).
+Resolving and checking a request's parameters, detokenizing, stop strings and finish reasons are the
+request layer's (request_stream.py; its streams run on runner.py's engine thread, which says why).
 Must not call the Engine directly (runner.py's thread does) nor define wire shapes (protocol.py).
 """
 
@@ -24,13 +27,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from dsv3_jax.request_stream import StopMatcher
+from dsv3_jax import request_stream
+from dsv3_jax.engine.api import FinishReason, TokenLogprob
+from dsv3_jax.request_stream import Delta, RequestInvalid, RequestParams, RequestStream
 from dsv3_jax.serve import protocol as P
 from dsv3_jax.serve.metrics import CONTENT_TYPE, Metrics
 from dsv3_jax.serve.parsers import ChatOutputParser, tool_description
 from dsv3_jax.serve.runner import EngineRunner, Overloaded, Submission
 from dsv3_jax.text.chat import encode_chat
-from dsv3_jax.text.tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger(__name__)
 
@@ -40,80 +44,63 @@ _TYPE_TAGS = ("str", "int", "float", "bool", "list", "dict", "none", "literal") 
 
 
 class _Choice:
-    """One generated sequence of a request: its text state and what it has produced so far."""
+    """One generated sequence of an HTTP request as the wire sees it: the request layer's deltas (from the
+    engine thread) parsed for chat (reasoning, tool calls), wire logprob entries, the OpenAI finish reason."""
 
     def __init__(self, svc: Service, sub: Submission, *, chat: bool, thinking: bool, tools: bool,
-                 stop: list[str], num_logprobs: int | None):
+                 num_logprobs: int | None):
         self.svc, self.sub = svc, sub
-        self.detok = IncrementalDetokenizer(svc.tokenizer, skip_special_tokens=True)
-        self.chat = ChatOutputParser(thinking=thinking, tools=tools, stop=stop) if chat else None
-        self.stop = None if chat else StopMatcher(stop)
+        self.chat = ChatOutputParser(thinking=thinking, tools=tools) if chat else None
         self.num_logprobs = num_logprobs
         self.token_ids: list[int] = []
         self.logprobs: list[tuple[str, float, list[tuple[str, float]]]] = []
         self.text = ""  # completions only
-        self.finish_reason: str | None = None
+        self.finish_reason: str | None = None  # the wire's, set by the final delta
+        self.failed = self.rejected = False
         self.cached_tokens = 0
         self.error: str | None = None
         self.last_token_at: float | None = None
 
-    @property
-    def stopped(self) -> bool:
-        return (self.chat or self.stop).stopped
-
-    def on_tokens(self, ids: list[int], lps: list[Any] | None, arrival: float) -> tuple[Any, list]:
-        """Feed new tokens; returns (delta, logprob entries): an OutputDelta for chat, text otherwise."""
-        now = time.perf_counter()
-        m = self.svc.metrics
-        if self.last_token_at is None:
-            m.ttft.observe(now - arrival)
-        else:
-            for _ in ids:
-                m.itl.observe((now - self.last_token_at) / len(ids))
-        self.last_token_at = now
-        self.token_ids += ids
-        entries = self._logprob_entries(lps) if self.num_logprobs is not None else []
+    def apply(self, d: Delta, arrival: float) -> tuple[Any, list]:
+        """One delta in; returns (wire delta, logprob entries): an OutputDelta for chat, text otherwise."""
+        if d.token_ids:
+            now = time.perf_counter()
+            m = self.svc.metrics
+            if self.last_token_at is None:
+                m.ttft.observe(now - arrival)
+            else:
+                for _ in d.token_ids:
+                    m.itl.observe((now - self.last_token_at) / len(d.token_ids))
+            self.last_token_at = now
+        self.token_ids += d.token_ids
+        entries = self._logprob_entries(d.logprobs) if self.num_logprobs is not None else []
         self.logprobs += entries
-        piece = self.detok.extend(ids)
         if self.chat is not None:
-            return self.chat.feed(piece), entries
-        text = self.stop.feed(piece)
-        self.text += text
-        return text, entries
-
-    def on_done(self, reason: str, cached: int, error: str | None) -> Any:
-        """The request ended: flush held-back text; returns the final delta."""
-        self.cached_tokens, self.error = cached, error
-        tail = self.detok.flush() if reason != "error" else ""
-        if self.chat is not None:
-            delta = self.chat.feed(tail)
-            rest = self.chat.flush()
-            delta.reasoning += rest.reasoning
-            delta.content += rest.content
-            delta.tool_calls += rest.tool_calls
+            delta = self.chat.feed(d.text)
+            if d.finish_reason is not None:
+                rest = self.chat.flush()
+                delta.reasoning += rest.reasoning
+                delta.content += rest.content
+                delta.tool_calls += rest.tool_calls
         else:
-            delta = self.stop.feed(tail) + self.stop.flush()
-            self.text += delta
-        self.finish_reason = self._openai_reason(reason)
-        return delta
+            delta = d.text
+            self.text += d.text
+        if d.finish_reason is not None:
+            self._finish(d)
+        return delta, entries
 
-    def finish_by_stop_string(self) -> None:
-        self.finish_reason = "stop"
-        self.svc.runner.cancel(self.sub)
+    def _finish(self, d: Delta) -> None:
+        self.cached_tokens, self.error = d.cached_tokens, d.error
+        self.failed, self.rejected = d.finish_reason == FinishReason.ERROR, d.rejected
+        if d.finish_reason == FinishReason.STOP and not d.by_stop_string and self.chat is not None \
+                and self.chat.tool_calls:
+            self.finish_reason = "tool_calls"
+        else:
+            self.finish_reason = d.finish_reason.value
 
-    def _openai_reason(self, reason: str) -> str:
-        if self.stopped:
-            return "stop"
-        if reason == "stop" and self.chat is not None and self.chat.tool_calls:
-            return "tool_calls"
-        return {"stop": "stop", "length": "length"}.get(reason, reason)
-
-    def _logprob_entries(self, lps: list[Any] | None) -> list[tuple[str, float, list[tuple[str, float]]]]:
-        if not lps:
-            return []
+    def _logprob_entries(self, lps: list[TokenLogprob]) -> list[tuple[str, float, list[tuple[str, float]]]]:
         dec = self.svc.token_text
-        k = self.num_logprobs
-        return [(dec(lp.token), float(lp.logprob), [(dec(t), float(v)) for t, v in lp.top[:k]]) for lp in lps]
+        return [(dec(lp.token), float(lp.logprob), [(dec(t), float(v)) for t, v in lp.top]) for lp in lps]
 
 
 class Service:
@@ -125,8 +112,7 @@ class Service:
         self.handle, self.runner, self.metrics, self.model_name = handle, runner, metrics, model_name
         self.tokenizer = handle.tokenizer
         self.context = handle.config.max_position_embeddings
-        ec = runner.config
-        self.spec_k, self.page_size, self.pool_pages = ec.spec_k, ec.page_size, ec.num_pages - 1
+        self.limits = request_stream.Limits.of(handle.config, runner.config)  # the model's and the pool's
         self.created = P.now()
         self._token_text: dict[int, str] = {}
 
@@ -157,60 +143,59 @@ class Service:
             raise P.RequestError(f"chat template: {e}", "messages") from e
 
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
-        vocab = self.handle.config.vocab_size
-        if not prompt or min(prompt) < 0 or max(prompt) >= vocab:
-            raise P.RequestError(f"token ids must be a non-empty list in [0, {vocab})", "prompt")
-        return list(prompt)
+        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
 
-    def limit(self, prompt: list[int], requested: int | None, prompt_param: str) -> int:
-        """max_new_tokens: the request's, or all that fits; 400 naming the field when it cannot fit."""
-        if not prompt:
-            raise P.RequestError("the prompt is empty", prompt_param)
-        room = min(self.context, self.pool_pages * self.page_size) - len(prompt) - self.spec_k
-        if room < 1:
-            raise P.RequestError(f"the prompt has {len(prompt)} tokens; the server fits at most "
-                                 f"{room + len(prompt) - 1} (context {self.context}, page pool "
-                                 f"{self.pool_pages * self.page_size} tokens)", prompt_param)
-        if requested is None:
-            return room
-        if requested > room:
-            raise P.RequestError(f"prompt ({len(prompt)} tokens) + max_tokens ({requested}) exceeds what the "
-                                 f"server fits ({room + len(prompt)} tokens)", "max_tokens")
-        return requested
-
-    def sampling(self, req: P._SamplingRequest, index: int, num_logprobs: int | None,
-                 max_new_tokens: int) -> dict[str, Any]:
-        d = self.handle.generation_defaults
-        top_k = req.top_k if req.top_k is not None else d.get("top_k", 0)
+    def params(self, req: P._SamplingRequest, prompt: list[int], first_index: int,
+               prompt_param: str) -> list[RequestParams]:
+        """The `req.n` choices' parameters for one prompt (request_stream.resolve: generation_config
+        defaults; max_tokens absent: all that fits), checked once (request_stream.check); a 400 naming
+        the request's field when the prompt cannot run."""
+        room = self.limits.room(len(prompt))
+        requested = req.token_limit
         seed = req.seed if req.seed is not None else random.randrange(_SEED_MOD)
-        params = {"max_new_tokens": max_new_tokens,
-                  "temperature": _pick(req.temperature, d.get("temperature", 1.0)),
-                  "top_p": _pick(req.top_p, d.get("top_p", 1.0)),
-                  "top_k": max(int(top_k), 0), "seed": (seed + index) % _SEED_MOD,
-                  "eos": [] if req.ignore_eos else self.handle.eos_ids()}
-        if num_logprobs is not None:
-            params["logprobs"] = num_logprobs
-        return params
+        out = []
+        for i in range(first_index, first_index + req.n):
+            p = request_stream.resolve(
+                self.handle.generation_defaults, temperature=req.temperature, top_p=req.top_p,
+                max_new_tokens=max(room, 1) if requested is None else requested,
+                top_k=None if req.top_k is None else max(req.top_k, 0),  # the wire's -1: no limit, as 0
+                seed=(seed + i) % _SEED_MOD, stop=req.stop_list(), logprobs=req.num_logprobs,
+                eos=() if req.ignore_eos else self.handle.eos_ids())
+            try:
+                request_stream.check(prompt, p, self.limits)
+            except RequestInvalid as e:
+                raise self._refusal(e, prompt, p, room, prompt_param) from None
+            out.append(p)
+        return out
 
-    def submit_all(self, prompts: list[list[int]], params: list[dict[str, Any]]) -> list[Submission]:
+    def _refusal(self, e: RequestInvalid, prompt: list[int], p: RequestParams, room: int,
+                 prompt_param: str) -> P.RequestError:
+        """The check's verdict in the wire's words and field names."""
+        n, cap = len(prompt), self.limits.capacity
+        if e.field == "max_new_tokens":
+            return P.RequestError(f"prompt ({n} tokens) + max_tokens ({p.max_new_tokens}) exceeds what the "
+                                  f"server fits ({room + n} tokens)", "max_tokens")
+        if e.field == "prompt" and n and room < 1:
+            return P.RequestError(f"the prompt has {n} tokens; the server fits at most {room + n - 1} "
+                                  f"(context {self.context}, page pool {self.limits.pool_tokens} tokens, "
+                                  f"at most {cap} per request)", prompt_param)
+        return P.RequestError(str(e), {"prompt": prompt_param}.get(e.field, e.field))
+
+    def submit_all(self, prompts: list[list[int]], params: list[RequestParams], *,
+                   skip_special_tokens: bool = True) -> list[Submission]:
         """Submit every choice (one HTTP request may hold several); all or none, else 429."""
         loop = asyncio.get_running_loop()
         shared: asyncio.Queue = asyncio.Queue()
         subs: list[Submission] = []
         try:
-            for i, (p, kw) in enumerate(zip(prompts, params)):
-                subs.append(self.runner.submit(p, kw, loop, out_queue=shared, tag=i))
+            for i, (p, q) in enumerate(zip(prompts, params)):
+                stream = RequestStream(q, self.tokenizer, skip_special_tokens=skip_special_tokens)
+                subs.append(self.runner.submit(p, stream, loop, out_queue=shared, tag=i))
         except Overloaded as e:
             for s in subs:
                 self.runner.cancel(s)
             raise P.RequestError(str(e), None, status=429, type="rate_limit_error", code="server_busy") from e
         return subs
-
-
-def _pick(value: Any, default: Any) -> Any:
-    return default if value is None else value
 
 
 # ---------------------------------------------------------------------------------------- body parsing
@@ -307,11 +292,10 @@ def create_app(svc: Service) -> FastAPI:
         req: P.ChatCompletionRequest = await _body(request, P.ChatCompletionRequest)
         svc.check_model(req.model)
         prompt = svc.chat_prompt(req)
-        limit = svc.limit(prompt, req.token_limit, "messages")
-        params = [svc.sampling(req, i, req.num_logprobs, limit) for i in range(req.n)]
+        params = svc.params(req, prompt, 0, "messages")
         subs = svc.submit_all([prompt] * req.n, params)
         tools = bool(req.tools) and req.tool_choice != "none"
-        choices = [_Choice(svc, s, chat=True, thinking=req.thinking, tools=tools, stop=req.stop_list(),
+        choices = [_Choice(svc, s, chat=True, thinking=req.thinking, tools=tools,
                            num_logprobs=req.num_logprobs) for s in subs]
         ctx = _Ctx(svc, "chat", P.new_id("chatcmpl"), [len(prompt)], [prompt], arrival, req)
         if req.stream:
@@ -324,12 +308,11 @@ def create_app(svc: Service) -> FastAPI:
         req: P.CompletionRequest = await _body(request, P.CompletionRequest)
         svc.check_model(req.model)
         prompts = [svc.encode_prompt(p) for p in req.prompts()]
-        limits = [svc.limit(p, req.token_limit, "prompt") for p in prompts]
+        params = [q for j, p in enumerate(prompts) for q in svc.params(req, p, j * req.n, "prompt")]
         flat = [p for p in prompts for _ in range(req.n)]
-        params = [svc.sampling(req, i, req.num_logprobs, limits[i // req.n]) for i in range(len(flat))]
         subs = svc.submit_all(flat, params)
-        choices = [_Choice(svc, s, chat=False, thinking=False, tools=False, stop=req.stop_list(),
-                           num_logprobs=req.num_logprobs) for s in subs]
+        choices = [_Choice(svc, s, chat=False, thinking=False, tools=False, num_logprobs=req.num_logprobs)
+                   for s in subs]
         ctx = _Ctx(svc, "completions", P.new_id("cmpl"), [len(p) for p in prompts], prompts, arrival, req)
         if req.echo:
             for c, p in zip(choices, flat):
@@ -367,7 +350,7 @@ class _Ctx:
 
 
 async def _events(ctx: _Ctx, choices: list[_Choice]) -> AsyncIterator[tuple[int, Any, list]]:
-    """(choice index, delta, logprob entries) as tokens arrive; a final delta per choice when it ends.
+    """(choice index, wire delta, logprob entries) as deltas arrive; the last one of each choice ends it.
 
     Cancels every unfinished choice in the engine when the consumer stops early (client disconnect).
     """
@@ -375,25 +358,11 @@ async def _events(ctx: _Ctx, choices: list[_Choice]) -> AsyncIterator[tuple[int,
     open_ = set(range(len(choices)))
     try:
         while open_:
-            tag, kind, *rest = await q.get()
-            if tag not in open_:
-                continue  # a choice already ended by a stop string: its "cancelled" echo
-            c = choices[tag]
-            if kind == "tokens":
-                delta, lps = c.on_tokens(rest[0], rest[1], ctx.arrival)
-                if c.stopped:
-                    delta_end = c.on_done("stop", 0, None)
-                    _merge_into(delta, delta_end)
-                    c.finish_by_stop_string()
-                    open_.discard(tag)
-                yield tag, delta, lps
-            else:
-                reason, cached, error = rest
-                if reason in ("rejected", "error") and not c.token_ids and error:
-                    c.error = error
-                delta = c.on_done(reason, cached, error)
+            tag, delta = await q.get()
+            wire, lps = choices[tag].apply(delta, ctx.arrival)
+            if delta.finish_reason is not None:
                 open_.discard(tag)
-                yield tag, delta, []
+            yield tag, wire, lps
     finally:
         for i in open_:
             ctx.svc.runner.cancel(choices[i].sub)
@@ -401,16 +370,14 @@ async def _events(ctx: _Ctx, choices: list[_Choice]) -> AsyncIterator[tuple[int,
             ctx.record(choices, "cancelled")
 
 
-def _merge_into(delta: Any, tail: Any) -> None:
-    if isinstance(delta, str):
-        return  # completions: the stop matcher already returned everything before the stop string
-    delta.reasoning += tail.reasoning
-    delta.content += tail.content
-    delta.tool_calls += tail.tool_calls
-
-
-def _outcome(choices: list[_Choice]) -> str:
-    return "error" if any(c.finish_reason in ("error", "rejected") for c in choices) else "ok"
+def _failure(choices: list[_Choice]) -> tuple[int, dict[str, Any]] | None:
+    """The one mapping of a failed choice to HTTP: (status, error body), or None when none failed. A
+    request the engine refused is the client's (400); a failure while generating is the server's (500)."""
+    bad = next((c for c in choices if c.failed), None)
+    if bad is None:
+        return None
+    status, kind = (400, "invalid_request_error") if bad.rejected else (500, "server_error")
+    return status, P.error_body(bad.error or "generation failed", kind)
 
 
 async def _complete(request: Request, ctx: _Ctx, choices: list[_Choice], build) -> Response:
@@ -429,12 +396,11 @@ async def _complete(request: Request, ctx: _Ctx, choices: list[_Choice], build) 
             await asyncio.gather(task, return_exceptions=True)
             return Response(status_code=499)
     task.result()
-    failed = [c for c in choices if c.finish_reason in ("error", "rejected")]
-    if failed:
+    failure = _failure(choices)
+    if failure is not None:
         ctx.record(choices, "error")
-        status = 400 if failed[0].finish_reason == "rejected" else 500
-        kind = "invalid_request_error" if status == 400 else "server_error"
-        return JSONResponse(P.error_body(failed[0].error or "generation failed", kind), status)
+        status, body = failure
+        return JSONResponse(body, status)
     ctx.record(choices, "ok")
     return JSONResponse(build(ctx, choices))
 
@@ -494,14 +460,6 @@ def _chunk(ctx: _Ctx, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]
     return out
 
 
-def _error_event(choices: list[_Choice]) -> dict[str, Any] | None:
-    bad = next((c for c in choices if c.finish_reason in ("error", "rejected")), None)
-    if bad is None:
-        return None
-    return P.error_body(bad.error or "generation failed",
-                        "invalid_request_error" if bad.finish_reason == "rejected" else "server_error")
-
-
 async def _chat_stream(ctx: _Ctx, choices: list[_Choice]) -> AsyncIterator[dict[str, Any]]:
     obj = "chat.completion.chunk"
     sent = [0] * len(choices)  # token ids already sent per choice (return_token_ids)
@@ -525,7 +483,7 @@ async def _chat_stream(ctx: _Ctx, choices: list[_Choice]) -> AsyncIterator[dict[
                 ch["token_ids"] = c.token_ids[sent[i]:]
                 sent[i] = len(c.token_ids)
             yield _chunk(ctx, obj, [ch])
-        if done and c.finish_reason not in ("error", "rejected"):
+        if done and not c.failed:
             yield _chunk(ctx, obj, [{"index": i, "delta": {}, "logprobs": None,
                                      "finish_reason": c.finish_reason}])
     async for ev in _stream_end(ctx, choices):
@@ -549,7 +507,7 @@ async def _completion_stream(ctx: _Ctx, choices: list[_Choice]) -> AsyncIterator
                 sent[i] = len(c.token_ids)
             yield _chunk(ctx, obj, [ch])
             offsets[i] += len(text)
-        if c.finish_reason is not None and c.finish_reason not in ("error", "rejected"):
+        if c.finish_reason is not None and not c.failed:
             yield _chunk(ctx, obj, [{"index": i, "text": "", "logprobs": None,
                                      "finish_reason": c.finish_reason}])
     async for ev in _stream_end(ctx, choices):
@@ -557,10 +515,10 @@ async def _completion_stream(ctx: _Ctx, choices: list[_Choice]) -> AsyncIterator
 
 
 async def _stream_end(ctx: _Ctx, choices: list[_Choice]) -> AsyncIterator[dict[str, Any]]:
-    err = _error_event(choices)
-    ctx.record(choices, _outcome(choices))
-    if err is not None:
-        yield err
+    failure = _failure(choices)
+    ctx.record(choices, "ok" if failure is None else "error")
+    if failure is not None:
+        yield failure[1]  # headers are sent: the status stays 200, the body says what failed
     if ctx.include_usage:
         obj = "chat.completion.chunk" if ctx.endpoint == "chat" else "text_completion"
         yield {**_chunk(ctx, obj, []), "usage": ctx.usage(choices)}

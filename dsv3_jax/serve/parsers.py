@@ -1,9 +1,9 @@
-"""The model's output text, parsed for the OpenAI API: stop strings, `<think>` reasoning, V3.1 tool calls.
+"""The model's output text, parsed for the OpenAI API: `<think>` reasoning and V3.1 tool calls.
 
 Owns: the DeepSeek-V3.1 output markers as text (think tags, the tool-call tokens), the incremental parsers
-that turn a stream of text pieces into reasoning, content and tool-call deltas (after decode.py's stop
-strings), and the tool description
-block that the V3.1 model card puts into the system prompt (its chat template does not render `tools`).
+that turn a stream of text pieces into reasoning, content and tool-call deltas (the text comes already
+cut at stop strings by request_stream.py), and the tool description block that the V3.1 model card puts
+into the system prompt (its chat template does not render `tools`).
 Every parser holds back a tail that could still grow into a marker, so pieces split anywhere (inside a
 marker, inside a multi-character stop string) give the same result as the whole text at once, and the
 streamed deltas concatenate to the non-streamed answer. Must not touch token ids, the engine or HTTP.
@@ -20,7 +20,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from dsv3_jax.request_stream import StopMatcher, held_tail
+from dsv3_jax.request_stream import held_tail
 
 THINK_START, THINK_END = "<think>", "</think>"
 CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
@@ -198,32 +198,27 @@ class OutputDelta:
 
 
 class ChatOutputParser:
-    """Stop strings -> reasoning split -> tool calls (content only), for one chat choice.
+    """Reasoning split -> tool calls (content only), for one chat choice.
 
-    `feed` each detokenized piece, then `flush` at the end; the deltas add up to `reasoning`, `content`
-    and `tool_calls`. `stopped` turns true when a stop string was hit (the caller cancels the request).
+    `feed` each text piece (request_stream.Delta.text: detokenized, cut at stop strings), then `flush`
+    at the end; the deltas add up to `reasoning`, `content` and `tool_calls`.
     """
 
-    def __init__(self, *, thinking: bool, tools: bool, stop: Sequence[str] = ()):
-        self.stop = StopMatcher(stop)
+    def __init__(self, *, thinking: bool, tools: bool):
         self.reasoning_parser = ReasoningParser(thinking)
         self.tool_parser = ToolCallParser() if tools else None
         self.reasoning = ""
         self.content = ""
 
     @property
-    def stopped(self) -> bool:
-        return self.stop.stopped
-
-    @property
     def tool_calls(self) -> list[ToolCall]:
         return self.tool_parser.calls if self.tool_parser else []
 
     def feed(self, piece: str) -> OutputDelta:
-        return self._text(self.stop.feed(piece), final=False)
+        return self._text(piece, final=False)
 
     def flush(self) -> OutputDelta:
-        return self._text(self.stop.flush(), final=True)
+        return self._text("", final=True)
 
     def _text(self, text: str, final: bool) -> OutputDelta:
         reasoning, content = self.reasoning_parser.feed(text)

@@ -4,7 +4,8 @@ builders, and the error body.
 Owns: which request fields exist and their ranges, the cross-field checks (a field we accept but cannot
 honour is refused with a 400 naming it, never silently ignored), and the exact JSON shapes of
 `chat.completion`, `chat.completion.chunk`, `text_completion`, usage and `{"error": {...}}`.
-Must not tokenize, render templates or talk to the engine (that is app.py and runner.py).
+Must not tokenize, render templates or talk to the engine (that is app.py and runner.py); the one engine
+fact it reads is the contract's logprobs bound (engine/api.MAX_LOGPROBS).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-MAX_TOP_LOGPROBS = 20  # the engine's bound (ENGINE_API.md: logprobs n in 0..20)
+from dsv3_jax.engine.api import MAX_LOGPROBS  # the engine contract's bound on top alternatives
+
 MAX_N = 16
 MAX_STOP = 16
 
@@ -146,7 +148,7 @@ class ChatCompletionRequest(_SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -183,7 +185,7 @@ class ChatCompletionRequest(_SamplingRequest):
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[int] | Annotated[list[str], Field(min_length=1)] | \
         Annotated[list[list[int]], Field(min_length=1)]
-    logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False
     suffix: None = None
     best_of: int | None = None

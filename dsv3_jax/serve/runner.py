@@ -1,14 +1,21 @@
 """The engine thread: one long-lived Engine stepping while there is work, fed by a thread-safe queue.
 
-Owns: the only thread that calls the Engine (ENGINE_API.md: it is single-threaded), the command queue
-from the HTTP handlers (add / cancel / stop), the per-request asyncio queues back to them (filled with
-`loop.call_soon_threadsafe`), the admission bound (429 instead of an unbounded backlog), engine
-failures turned into per-request errors, and the engine-side gauges (batch, pages, prefix hits, MTP).
-Must not know HTTP, JSON or text: it moves token ids and finish reasons.
+Owns: the only thread that calls the Engine (engine/api.py: an engine is single-threaded), the command
+queue from the HTTP handlers (add / cancel / stop), each request's stream state (a
+request_stream.RequestStream, fed that request's engine events here), the per-request asyncio queues
+back to the handlers (filled with `loop.call_soon_threadsafe`), the admission bound (429 instead of an
+unbounded backlog), engine failures turned into per-request errors, and the engine-side gauges (batch,
+pages, prefix hits, MTP). Must not know HTTP or JSON, nor parse the model's text (app.py, parsers.py).
 
-Items a submission's queue receives, each prefixed by its `tag`, in order: zero or more
-`("tokens", ids, logprobs)`, then exactly one `("done", finish_reason, cached_tokens, error)`. A request
-the engine refuses (e.g. too long for the page pool) gets `("done", "rejected", 0, message)` only.
+Why the stream state lives on this thread and not on the event loop: a stop string must cancel the
+request in the engine, and only this thread may call the engine. Fed here, a hit cancels before the
+next step is scheduled (no tokens computed past it, no late events to filter) and the handler receives
+a finished stream; detokenizing is microseconds per token, and with pipelining it runs while the device
+computes the next step.
+
+Items a submission's queue receives, in order, each as `(tag, request_stream.Delta)`: zero or more
+deltas with new tokens, then exactly one whose `finish_reason` is set (with `cached_tokens`). A request
+the engine refuses gets only the final delta: ERROR with `rejected` and the engine's message.
 """
 
 from __future__ import annotations
@@ -22,7 +29,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from dsv3_jax.engine.core import Engine, EngineConfig
+from dsv3_jax.engine.api import EngineConfig
+from dsv3_jax.engine.core import Engine
+from dsv3_jax.request_stream import Delta, RequestStream
 
 log = logging.getLogger(__name__)
 
@@ -36,19 +45,19 @@ class Overloaded(RuntimeError):
 
 @dataclasses.dataclass(eq=False)
 class Submission:
-    """One engine request as seen by its HTTP handler."""
+    """One engine request as seen by its HTTP handler; `stream` is touched by the engine thread only."""
 
     prompt: list[int]
-    params: dict[str, Any]
+    stream: RequestStream
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue = dataclasses.field(default_factory=asyncio.Queue)
     tag: int = 0  # lets several submissions share one queue (the n choices of one HTTP request)
     rid: int | None = None
     submitted_at: float = dataclasses.field(default_factory=time.perf_counter)
 
-    def _put(self, item: tuple) -> None:
+    def _put(self, delta: Delta) -> None:
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, (self.tag, *item))
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (self.tag, delta))
         except RuntimeError:  # the handler's loop is closed (server shutting down): nobody listens
             pass
 
@@ -87,15 +96,16 @@ class EngineRunner:
     def pending(self) -> int:
         return self._pending
 
-    def submit(self, prompt: list[int], params: dict[str, Any], loop: asyncio.AbstractEventLoop, *,
+    def submit(self, prompt: list[int], stream: RequestStream, loop: asyncio.AbstractEventLoop, *,
                out_queue: asyncio.Queue | None = None, tag: int = 0) -> Submission:
-        """Queue one engine request (keyword `params` of Engine.add_request); Overloaded at the bound."""
+        """Queue one engine request (checked already: request_stream.check; its parameters are
+        `stream.params`); Overloaded at the bound."""
         with self._lock:
             if self._pending >= self.max_pending:
                 raise Overloaded(f"server busy: {self._pending} requests in flight "
                                  f"(bound {self.max_pending})")
             self._pending += 1
-        sub = Submission(prompt, params, loop, out_queue if out_queue is not None else asyncio.Queue(), tag)
+        sub = Submission(prompt, stream, loop, out_queue if out_queue is not None else asyncio.Queue(), tag)
         self._cmds.put(("add", sub))
         return sub
 
@@ -135,9 +145,9 @@ class EngineRunner:
 
     def _add(self, sub: Submission) -> None:
         try:
-            sub.rid = self.engine.add_request(sub.prompt, **sub.params)
-        except (ValueError, TypeError) as e:  # the engine's own validation (pages, context, sampling)
-            self._done(sub, "rejected", 0, str(e))
+            sub.rid = self.engine.add_request(sub.prompt, **sub.stream.params.engine_kwargs())
+        except ValueError as e:  # the engine's own guard (e.g. more pages than one batch shard holds)
+            self._done(sub, sub.stream.reject(str(e)))
             return
         self._subs[sub.rid] = sub
 
@@ -146,7 +156,7 @@ class EngineRunner:
             return  # already finished (or refused): nothing to free
         self.engine.cancel(sub.rid)
         self._subs.pop(sub.rid)
-        self._done(sub, "cancelled", self._cached(sub.rid), None)
+        self._done(sub, sub.stream.cancel(), self._cached(sub.rid))
 
     def _step(self) -> None:
         try:
@@ -162,31 +172,31 @@ class EngineRunner:
             sub = self._subs.get(ev.rid)
             if sub is None:
                 continue
-            lps = getattr(ev, "logprobs", None)
-            if ev.new_tokens:
-                sub._put(("tokens", list(ev.new_tokens), lps))
-            if ev.finished:
+            delta = sub.stream.on_event(ev)
+            if sub.stream.done:
+                if not ev.finished:  # a stop string ended it: free its pages before the next step
+                    self.engine.cancel(ev.rid)
                 self._subs.pop(ev.rid)
-                req = self.engine.finished.get(ev.rid)
-                reason = getattr(ev, "finish_reason", None) or (req.finish_reason if req else "stop")
-                error = getattr(ev, "error", None) or (getattr(req, "error", None) if req else None)
-                self._done(sub, reason, self._cached(ev.rid), error)
+                self._done(sub, delta, self._cached(ev.rid))
+            elif delta.token_ids:
+                sub._put(delta)
         self._trim_finished()
         self._update_gauges()
 
     def _cached(self, rid: int) -> int:
         req = self.engine.finished.get(rid)
-        return int(getattr(req, "cached_tokens", 0) or 0) if req is not None else 0
+        return req.cached_tokens if req is not None else 0
 
-    def _done(self, sub: Submission, reason: str, cached: int, error: str | None) -> None:
+    def _done(self, sub: Submission, final: Delta, cached: int = 0) -> None:
+        final.cached_tokens = cached
         with self._lock:
             self._pending -= 1
-        sub._put(("done", reason, cached, error))
+        sub._put(final)
 
     def _fail_all(self, message: str) -> None:
         for rid, sub in list(self._subs.items()):
             self._subs.pop(rid)
-            self._done(sub, "error", 0, message)
+            self._done(sub, sub.stream.fail(message))
 
     def _trim_finished(self) -> None:
         fin = self.engine.finished
