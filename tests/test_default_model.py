@@ -16,7 +16,7 @@ import dsv3_jax
 from dsv3_jax import api
 from dsv3_jax import train as T
 from dsv3_jax.api import ModelHandle
-from dsv3_jax.formats import compact
+from dsv3_jax.formats import compact as compact_form
 from dsv3_jax.formats.quantize import quantize_params
 from dsv3_jax.text.tokenizer import Tokenizer
 
@@ -92,7 +92,7 @@ def test_every_user_path_loads_the_same_weights(default32, tmp_path):
     """The default as an HF safetensors checkpoint and as the converter's Orbax checkpoint: the same tree."""
     from convert.converter import convert
 
-    hf = T.save_checkpoint(compact.import_compact(api.DEFAULT_MODEL_DIR), default32.config, None,
+    hf = T.save_checkpoint(compact_form.import_compact(api.DEFAULT_MODEL_DIR), default32.config, None,
                            tmp_path / "hf", max_shard_bytes=200 * 1024**2)
     want = jax.tree_util.tree_map(np.asarray, default32.params)
     from_hf = dsv3_jax.load(hf, dtype="float32")
@@ -127,7 +127,7 @@ def test_compact_vocabulary_is_the_full_model():
 
     with tempfile.TemporaryDirectory() as tmp:
         T.export_compact_rows(params, vm, tmp, dtype="float32")
-        back = compact.import_compact(tmp)
+        back = compact_form.import_compact(tmp)
     emb = back["embed_tokens"]["embedding"]
     np.testing.assert_array_equal(emb, params["embed_tokens"]["embedding"][vm.index()])
     np.testing.assert_array_equal(back["lm_head"]["weight"], emb)
