@@ -97,3 +97,55 @@ def test_stop_matcher_holds_back_partial_stops():
     out = [m.feed(x) for x in ["xa", "yS", "TO", "zz", "ST", "OP", "more"]]
     assert "".join(out) == "xayS" + "TOzz" and m.stopped  # "STOP" completes across "ST" + "OP"
     assert StopMatcher().feed("anything") == "anything"
+
+
+def test_request_stream_deltas_stop_and_finish():
+    """The request layer alone on scripted engine events: text pieces concatenate to the decoded text, a
+    stop string mid-event ends the stream with STOP (text cut before it, all the event's ids kept), an
+    engine finish carries its reason, and an end the engine does not produce (cancel / reject) is final."""
+    from dsv3_jax.engine.api import FinishReason, StepEvent
+    from dsv3_jax.request_stream import RequestParams, RequestStream
+    from dsv3_jax.text.tokenizer import Tokenizer
+
+    tok = Tokenizer.default()
+    ids = tok.encode("alpha beta gamma delta", add_bos=False)
+    s = RequestStream(RequestParams(max_new_tokens=50, stop=(" gam",)), tok)
+    d1 = s.on_event(StepEvent(0, ids[:1], False))
+    assert d1.finish_reason is None and d1.token_ids == ids[:1]
+    d2 = s.on_event(StepEvent(0, ids[1:], False))
+    assert d2.finish_reason == FinishReason.STOP and d2.by_stop_string and s.done
+    assert d1.text + d2.text == s.text == "alpha beta" and s.token_ids == ids
+    plain = RequestStream(RequestParams(max_new_tokens=50), tok)
+    pieces = [plain.on_event(StepEvent(0, [t], False)).text for t in ids[:-1]]
+    last = plain.on_event(StepEvent(0, ids[-1:], True, FinishReason.LENGTH))
+    assert last.finish_reason == "length" and not last.by_stop_string
+    assert "".join(pieces) + last.text == tok.decode(ids)
+    with pytest.raises(RuntimeError, match="after the stream ended"):
+        plain.on_event(StepEvent(0, [1], False))
+    r = RequestStream(RequestParams()).reject("too many pages")
+    assert r.finish_reason == FinishReason.ERROR and r.rejected and r.error == "too many pages"
+    assert RequestStream(RequestParams()).cancel().finish_reason == FinishReason.CANCELLED
+    with pytest.raises(ValueError, match="tokenizer"):
+        RequestStream(RequestParams(stop=("x",)))
+
+
+@pytest.mark.parametrize(("prompt", "kw", "field"), [
+    ([], {}, "prompt"),
+    ([5, 10**6], {}, "prompt"),
+    ([5] * 95, {"max_new_tokens": 2}, "prompt"),  # not even one token fits: the prompt's fault
+    ([5] * 10, {"max_new_tokens": 91}, "max_new_tokens"),
+    ([5] * 10, {"max_new_tokens": 2, "logprobs": 21}, "logprobs"),
+    ([5] * 10, {"temperature": -1.0}, None),
+])
+def test_check_names_the_field(prompt, kw, field):
+    """One check (engine/api.check_request + sampling ranges) against Limits; the field at fault named.
+    Capacity here: min(context 128, pool 96 tokens) = 96; a 10-token prompt with spec_k 1 leaves room for
+    96 - 10 - 1 = 85 new tokens, so 85 fits and 91 overflows."""
+    from dsv3_jax.request_stream import Limits, RequestInvalid, RequestParams, check
+
+    limits = Limits(vocab_size=1000, context=128, spec_k=1, pool_tokens=96)
+    assert limits.capacity == 96 and limits.room(10) == 85
+    check([5] * 10, RequestParams(max_new_tokens=85), limits)  # exactly fits
+    with pytest.raises(RequestInvalid) as e:
+        check(prompt, RequestParams(**kw), limits)
+    assert e.value.field == field
