@@ -46,6 +46,7 @@ class ScriptedEngine:
 
     script: list[int] = []
     hold = False
+    broken_stats = False  # engine_stats raises: a bug outside the step, on the engine thread
 
     def __init__(self, handle, cfg: EngineConfig):
         self.cfg, self.pool = cfg, PagePool(cfg.num_pages, cfg.page_size)
@@ -93,6 +94,8 @@ class ScriptedEngine:
         return events
 
     def engine_stats(self):
+        if self.broken_stats:
+            raise KeyError("compiles")
         return {"steps": 1, "mean_batch": 1.0, "prefix_hit_rate": 0.0, "mtp_acceptance": float("nan"),
                 "compiles": 0, "compiles_after_warmup": 0}
 
@@ -117,6 +120,7 @@ def served(tokenizer):
                             timeout=30), http, runner
     runner.stop()
     ScriptedEngine.hold = False
+    ScriptedEngine.broken_stats = False
 
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather forecast",
@@ -236,3 +240,19 @@ def test_tool_history_rendered_in_v31_format(served, tokenizer):
                            f"{CALL_SEP}{ARGS}{CALL_END}{CALLS_END}<｜end▁of▁sentence｜>"
                            "<｜tool▁output▁begin｜>22C<｜tool▁output▁end｜>")
     assert r.choices[0].message.content == "Sunny, 22C." and r.choices[0].finish_reason == "stop"
+
+
+def test_engine_thread_death_answers_every_client(served, tokenizer):
+    """A bug on the engine thread outside the step (here its gauge update) must not leave a client waiting
+    forever (the CI hang of 2026-12-04): the request in flight gets a 5xx and later ones a 503."""
+    client, http, runner = served
+    _script(tokenizer, "A sentence long enough to need several engine steps to come out whole.")
+    ScriptedEngine.broken_stats = True
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 50})
+    assert r.status_code >= 500 and "KeyError" in r.json()["error"]["message"]
+    deadline = time.monotonic() + 10
+    while runner.alive and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not runner.alive and runner.pending == 0
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 5})
+    assert r.status_code == 503 and "engine thread stopped" in r.json()["error"]["message"]

@@ -33,7 +33,7 @@ from dsv3_jax.request_stream import Delta, RequestInvalid, RequestParams, Reques
 from dsv3_jax.serve import protocol as P
 from dsv3_jax.serve.metrics import CONTENT_TYPE, Metrics
 from dsv3_jax.serve.parsers import ChatOutputParser, tool_description
-from dsv3_jax.serve.runner import EngineRunner, Overloaded, Submission
+from dsv3_jax.serve.runner import EngineDown, EngineRunner, Overloaded, Submission
 from dsv3_jax.text.chat import encode_chat
 
 log = logging.getLogger(__name__)
@@ -195,6 +195,10 @@ class Service:
             for s in subs:
                 self.runner.cancel(s)
             raise P.RequestError(str(e), None, status=429, type="rate_limit_error", code="server_busy") from e
+        except EngineDown as e:
+            for s in subs:
+                self.runner.cancel(s)
+            raise P.RequestError(str(e), None, status=503, type="server_error", code="engine_down") from e
         return subs
 
 

@@ -43,6 +43,10 @@ class Overloaded(RuntimeError):
     """The admission bound is reached: the caller answers 429."""
 
 
+class EngineDown(RuntimeError):
+    """The engine thread has stopped (shut down, or died on a bug): the caller answers 503."""
+
+
 @dataclasses.dataclass(eq=False)
 class Submission:
     """One engine request as seen by its HTTP handler; `stream` is touched by the engine thread only."""
@@ -101,12 +105,16 @@ class EngineRunner:
         """Queue one engine request (checked already: request_stream.check; its parameters are
         `stream.params`); Overloaded at the bound."""
         with self._lock:
+            if not self._thread.is_alive():  # nothing would ever answer: refuse instead of hanging
+                raise EngineDown(f"engine thread stopped ({self.error or 'shut down'})")
             if self._pending >= self.max_pending:
                 raise Overloaded(f"server busy: {self._pending} requests in flight "
                                  f"(bound {self.max_pending})")
             self._pending += 1
         sub = Submission(prompt, stream, loop, out_queue if out_queue is not None else asyncio.Queue(), tag)
         self._cmds.put(("add", sub))
+        if not self._thread.is_alive():  # it stopped between the check and the put: answer here
+            self._fail_queued(f"engine thread stopped ({self.error or 'shut down'})")
         return sub
 
     def cancel(self, sub: Submission) -> None:
@@ -121,6 +129,15 @@ class EngineRunner:
 
     # ---------------------------------------------------------------- engine thread
     def _loop(self) -> None:
+        try:
+            self._serve()
+        except Exception as e:  # a bug outside the step (a stream, the gauges): no client may wait forever
+            log.exception("engine thread died; failing %d requests", len(self._subs))
+            self.error = f"{type(e).__name__}: {e}"
+            self._fail_all(f"engine error: {self.error}")
+            self._fail_queued(f"engine error: {self.error}")
+
+    def _serve(self) -> None:
         while True:
             idle = not self.engine.has_work()
             try:
@@ -135,6 +152,7 @@ class EngineRunner:
             for kind, sub in cmds:
                 if kind == "stop":
                     self._fail_all("server shutting down")
+                    self._fail_queued("server shutting down")
                     return
                 if kind == "add":
                     self._add(sub)
@@ -197,6 +215,16 @@ class EngineRunner:
         for rid, sub in list(self._subs.items()):
             self._subs.pop(rid)
             self._done(sub, sub.stream.fail(message))
+
+    def _fail_queued(self, message: str) -> None:
+        """Answer the submissions still in the command queue (added after the thread's last look)."""
+        while True:
+            try:
+                kind, sub = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                self._done(sub, sub.stream.fail(message))
 
     def _trim_finished(self) -> None:
         fin = self.engine.finished
