@@ -337,7 +337,7 @@ print(len(cpus), "CPU devices; default devices:", jax.devices())
     md("""
     ## 1. Where every parameter goes
 
-    Each parameter has logical axes (`PARAM_AXES`), mapped to mesh axes by `LOGICAL_RULES`: `tensor`
+    Each parameter has logical axes (`layout.PARAM_AXES`), mapped to mesh axes by `LOGICAL_RULES`: `tensor`
     splits heads, vocabulary and FFN widths; `expert` splits the routed experts (and is a batch axis
     outside the MoE); `data` splits only the batch. Below: the shard each device holds of a few tiny-model
     parameters under four meshes of 8 devices.

@@ -5,10 +5,10 @@ pages indexed by a hash chain of their token content (system prompts, multi-turn
 new request reuses them instead of recomputing, with LRU eviction of pages nobody holds.
 
 Data-parallel attention: the pool is split into `shards` equal slices, one per batch shard of the mesh
-(data x expert), matching how sharding.CACHE_AXES splits the page axis over devices: shard s owns the
-physical pages [s*n, (s+1)*n) with n = num_pages / shards. Each slice has its own free list, its own
-LRU of idle cached pages and its own prefix index, so a request placed on shard s is only ever given
-pages of slice s (its attention stays on its own devices) and a prefix hit never crosses slices.
+(data x expert), matching how layout.CACHE_AXES (through sharding) splits the page axis over devices:
+shard s owns the physical pages [s*n, (s+1)*n) with n = num_pages / shards. Each slice has its own free
+list, its own LRU of idle cached pages and its own prefix index, so a request placed on shard s is only
+ever given pages of slice s (its attention stays on its own devices) and a prefix hit never crosses slices.
 The first page of each slice (s*n; page 0 when shards = 1) is that slice's scratch page (padding
 writes land there) and is never handed out. shards = 1 is the plain single pool.
 Must not touch device arrays, nor choose which shard a request goes to (the engine's scheduler does):

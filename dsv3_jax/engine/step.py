@@ -43,7 +43,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv3_jax.engine import mtp_draft
-from dsv3_jax.engine.sampling import MAX_LOGPROBS, SamplingParams, speculative_sample, token_logprobs
+from dsv3_jax.engine.api import MAX_LOGPROBS
+from dsv3_jax.engine.sampling import SamplingParams, speculative_sample, token_logprobs
 from dsv3_jax.model.kv_cache import PageMeta
 
 

@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from dsv3_jax.config import ModelConfig
 from dsv3_jax.model import kernel_dispatch as kernels
+from dsv3_jax.model import layout
 from dsv3_jax.model.layers import MLP
 from dsv3_jax.model.trace_options import TraceOptions
 from dsv3_jax.parallel import sharding
@@ -156,7 +157,7 @@ def expert_parallel(x: jax.Array, weights: jax.Array, idx: jax.Array, experts: d
     tok = sharding.logical_to_spec(sharding.ACTIVATION_AXES["moe_tokens"])
     row = P(tok[0], None)
     batch_axes = (tok[0],) if isinstance(tok[0], str) else tuple(tok[0])
-    w_specs = {name: sharding.logical_to_spec(sharding.PARAM_AXES[f"mlp/{name}_weight"])
+    w_specs = {name: sharding.logical_to_spec(layout.PARAM_AXES[f"mlp/{name}_weight"])
                for name in ("gate_proj", "up_proj", "down_proj")}
     exp_specs = {name: {key: w_specs[name] for key in p} for name, p in experts.items()}
     n_local = x.shape[0] // sharding.batch_multiple(mesh)

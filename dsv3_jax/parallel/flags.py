@@ -119,8 +119,8 @@ def engine_plan(handle: Any, args: argparse.Namespace, *, spec_k: int = 0) -> An
 
 
 def engine_defaults(handle: Any, args: argparse.Namespace, *, spec_k: int = 0) -> dict[str, int]:
-    """EngineConfig fields from the flags and the plan (printed by process 0): what generate passes to
-    its engines through `handle.engine_defaults`."""
+    """EngineConfig sizing fields from the flags and the plan (printed by process 0): what the CLIs
+    pass explicitly to every engine they build."""
     out = {k: v for k in ("max_batch", "max_batched_tokens") if (v := getattr(args, k, None)) is not None}
     p = engine_plan(handle, args, spec_k=spec_k)
     if p is None:

@@ -70,9 +70,6 @@ ACTIVATION_AXES: dict[str, tuple[str | None, ...]] = {
     "moe_tokens": ("batch", "embed"),  # flattened [B*T, D] inside the MoE
 }
 
-# moe.py reads the routed experts' axes here (the one table is layout.PARAM_AXES).
-PARAM_AXES = layout.PARAM_AXES
-
 
 class MeshError(ValueError):
     """A mesh spec is malformed, does not match the devices, or does not divide the model."""
