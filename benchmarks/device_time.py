@@ -21,9 +21,14 @@ import jax
 
 
 def _summary(per_call_ns: list[float], kernels: dict[str, list[float]]) -> dict:
+    """Per-call sums (median/min/max, ms); per kernel name its median launch (`kernels`), and per call its
+    total time and launch count (`kernel_totals`: what a profile table of one call shows)."""
     ms = [t / 1e6 for t in per_call_ns]
+    calls = len(per_call_ns)
     return dict(median_ms=statistics.median(ms), min_ms=min(ms), max_ms=max(ms),
-                kernels={k: round(statistics.median(v) / 1e6, 5) for k, v in kernels.items()})
+                kernels={k: round(statistics.median(v) / 1e6, 5) for k, v in kernels.items()},
+                kernel_totals={k: {"ms_per_call": sum(v) / calls / 1e6, "launches_per_call": len(v) / calls}
+                               for k, v in kernels.items()})
 
 
 def _split_calls(events: list[tuple[int, int, str]], calls: int) -> tuple[list[float], dict[str, list[float]]]:

@@ -1,0 +1,144 @@
+"""Where one batch-1 decode step's time goes, and what each extra layer costs (issue 32, item 1; GPU).
+
+For the full-width DeepSeek-V3 slice with FP8 weights (e2e_bench's builders) at 1 dense + n MoE layers,
+n in --moe-layers (default 1,2,4: 1+8 needs ~100 GB of weights, pass it on an H200 only), one decode
+step of batch --batch at context --ctx through the Pallas kernels, measured three ways in one run:
+  * wall: the host clock around back-to-back jitted calls (what a serving step costs);
+  * device: the GPU time of every kernel of the step, from a jax.profiler trace (benchmarks/device_time);
+    wall - device is the time the GPU sits idle between kernels (launch gaps, host work);
+  * floor: bytes the step must read / the copy bandwidth measured here (e2e_bench.step_bytes).
+Then the per-layer slope of each (least squares over n): the slope beyond the floor is what 61 layers
+multiply. The largest slice's kernels are listed by time per step (name, launches, ms) and grouped into
+kinds (MLA, grouped GEMM, dense FP8 GEMM, quantize, XLA fusions, copies, other).
+Prints a table last and writes JSON (--out). --tiny runs the same code on CPU at toy size (no profile:
+the trace has no GPU plane there, so device time is reported as absent).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import e2e_bench  # noqa: E402
+from device_time import jax_device_time  # noqa: E402
+
+from dsv3_jax.model import kv_cache  # noqa: E402
+from dsv3_jax.model.kv_cache import PageMeta  # noqa: E402
+from dsv3_jax.model.trace_options import TraceOptions  # noqa: E402
+
+# Kernel kinds by name fragment, first match wins (Pallas kernels carry their function's name).
+KINDS = (("mla", ("mla", "paged_attention", "attention")), ("grouped GEMM", ("grouped", "group")),
+         ("dense FP8 GEMM", ("fp8_gemm", "fp8_matmul", "gemm_fp8", "matmul")),
+         ("quantize", ("quant",)), ("cuBLAS/cutlass", ("cutlass", "sm90", "xmma", "gemm", "cublas")),
+         ("copy/memset", ("memcpy", "memset", "copy")), ("XLA fusion", ("fusion", "loop_", "input_", "reduce")))
+
+
+def kind_of(name: str) -> str:
+    low = name.lower()
+    for kind, frags in KINDS:
+        if any(f in low for f in frags):
+            return kind
+    return "other"
+
+
+def slope(xs: list[float], ys: list[float]) -> float:
+    """Least-squares slope of ys over xs (per extra MoE layer)."""
+    if len(xs) < 2:
+        return float("nan")
+    return float(np.polyfit(np.asarray(xs, float), np.asarray(ys, float), 1)[0])
+
+
+def one_slice(n_moe: int, args, bandwidth: float) -> dict:
+    cfg = e2e_bench.slice_config(n_moe, args.tiny)
+    model, params = e2e_bench.random_params(cfg, fp8=not args.bf16)
+    ps = kv_cache.PAGE_SIZE
+    table = kv_cache.contiguous_table(args.batch, args.ctx + 1, ps)
+    cache = kv_cache.allocate(cfg, 1 + table.size, ps, "absorbed", "bfloat16")
+    cache = jax.tree_util.tree_map(lambda c: (jax.random.normal(jax.random.key(1), c.shape, "float32") * 0.5)
+                                   .astype(c.dtype), cache)
+    meta = PageMeta(jax.numpy.asarray(table), jax.numpy.ones((args.batch,), "int32"))
+    toks = jax.numpy.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (args.batch, 1)), "int32")
+    pos = jax.numpy.full((args.batch, 1), args.ctx, "int32")
+    m = model.clone(trace_options=TraceOptions(kernels=args.kernels))
+    step = jax.jit(lambda p, c: m.apply({"params": p}, toks, pos, c, meta)[0][:, -1].argmax(-1))
+
+    wall = e2e_bench.timeit(lambda: step(params, cache), args.reps)
+    floor_ms = 1e3 * e2e_bench.step_bytes(cfg, params, args.batch, args.ctx) / bandwidth
+    row = {"moe_layers": n_moe, "layers": cfg.num_hidden_layers, "wall": wall, "floor_ms": floor_ms}
+    if jax.default_backend() == "gpu":
+        dev = jax_device_time(step, (params, cache), calls=args.calls)
+        row["device"] = {k: dev[k] for k in ("median_ms", "min_ms", "max_ms")}
+        row["gap_ms"] = wall["median_ms"] - dev["median_ms"]
+        kernels = sorted(dev["kernel_totals"].items(), key=lambda kv: -kv[1]["ms_per_call"])
+        row["kernels"] = [{"name": k, "kind": kind_of(k), **v} for k, v in kernels]
+        kinds: dict[str, float] = {}
+        for k in row["kernels"]:
+            kinds[k["kind"]] = kinds.get(k["kind"], 0.0) + k["ms_per_call"]
+        row["kinds"] = kinds
+    return row  # the slice's weights die with this frame (main collects before the next slice)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--moe-layers", default="1,2,4", help="slices of 1 dense + n MoE layers, comma-separated")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--ctx", type=int, default=1024)
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--calls", type=int, default=20, help="profiled back-to-back calls")
+    ap.add_argument("--kernels", default="pallas", choices=("pallas", "reference"))
+    ap.add_argument("--bf16", action="store_true", help="BF16 weights (experts through the BF16 grouped GEMM)")
+    ap.add_argument("--tiny", action="store_true", help="CPU smoke run at toy size")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    if args.tiny:
+        args.kernels, args.reps = "reference", min(args.reps, 3)
+
+    bandwidth = e2e_bench.copy_bandwidth() if jax.default_backend() == "gpu" else 1e11
+    rows = []
+    for n in args.moe_layers.split(","):
+        rows.append(one_slice(int(n), args, bandwidth))
+        gc.collect()
+    ns = [r["moe_layers"] for r in rows]
+    fit = {"wall_ms_per_layer": slope(ns, [r["wall"]["median_ms"] for r in rows]),
+           "floor_ms_per_layer": slope(ns, [r["floor_ms"] for r in rows])}
+    if "device" in rows[0]:
+        fit["device_ms_per_layer"] = slope(ns, [r["device"]["median_ms"] for r in rows])
+        fit["gap_ms_per_layer"] = slope(ns, [r["gap_ms"] for r in rows])
+    fit["beyond_floor_us_per_layer"] = 1e3 * (fit["wall_ms_per_layer"] - fit["floor_ms_per_layer"])
+    result = {"device": str(jax.devices()[0]), "batch": args.batch, "ctx": args.ctx, "weights":
+              "bf16" if args.bf16 else "fp8", "bandwidth_TBps": bandwidth / 1e12, "rows": rows, "fit": fit}
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1))
+
+    last = rows[-1]
+    if "kernels" in last:
+        print(f"\nkernels of one step, 1+{last['moe_layers']} layers (ms per step, launches per step):")
+        for k in last["kernels"][:20]:
+            print(f"  {k['ms_per_call']:8.4f} ms  x{k['launches_per_call']:5.1f}  {k['kind']:15s} {k['name'][:70]}")
+        print("  by kind: " + ", ".join(f"{k} {v:.3f}" for k, v in sorted(last["kinds"].items(),
+                                                                           key=lambda kv: -kv[1])))
+    print(f"\nb={args.batch} ctx={args.ctx} {result['weights']} on {result['device']}, "
+          f"copy bandwidth {result['bandwidth_TBps']:.2f} TB/s")
+    print("| slice | wall ms (min-max) | device ms | gap ms | floor ms | wall/floor |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        w = r["wall"]
+        dev = f"{r['device']['median_ms']:.3f}" if "device" in r else "-"
+        gap = f"{r['gap_ms']:.3f}" if "gap_ms" in r else "-"
+        print(f"| 1+{r['moe_layers']} | {w['median_ms']:.3f} ({w['min_ms']:.3f}-{w['max_ms']:.3f}) | {dev} | "
+              f"{gap} | {r['floor_ms']:.3f} | {w['median_ms'] / r['floor_ms']:.2f}x |")
+    print("per extra MoE layer: " + ", ".join(f"{k} {v:.4f}" for k, v in fit.items()))
+
+
+if __name__ == "__main__":
+    main()
