@@ -35,10 +35,10 @@ from dsv3_jax.model import kv_cache  # noqa: E402
 from dsv3_jax.model.kv_cache import PageMeta  # noqa: E402
 from dsv3_jax.model.trace_options import TraceOptions  # noqa: E402
 
-# Kernel kinds by name fragment, first match wins (Pallas kernels carry their function's name).
-KINDS = (("mla", ("mla", "paged_attention", "attention")), ("grouped GEMM", ("grouped", "group")),
-         ("dense FP8 GEMM", ("fp8_gemm", "fp8_matmul", "gemm_fp8", "matmul")),
-         ("quantize", ("quant",)), ("cuBLAS/cutlass", ("cutlass", "sm90", "xmma", "gemm", "cublas")),
+# Kernel kinds by name fragment, first match wins. Mosaic GPU names every Pallas kernel
+# "anonymous_mosaic_gpu_kernel" (MLA, FP8 GEMMs, grouped GEMMs alike): the trace cannot tell them apart.
+KINDS = (("Pallas (Mosaic GPU)", ("mosaic_gpu",)), ("XLA dot (cuBLAS/Triton)", ("gemm_fusion", "dot")),
+         ("cuBLAS/cutlass", ("cutlass", "sm90", "xmma", "gemm", "cublas")),
          ("copy/memset", ("memcpy", "memset", "copy")), ("XLA fusion", ("fusion", "loop_", "input_", "reduce")))
 
 
