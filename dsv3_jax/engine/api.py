@@ -51,6 +51,9 @@ class EngineConfig:
     max_batch: int = 256  # sequences per step
     max_batched_tokens: int = 2048  # token budget per step (prefill chunks + decode tokens)
     chunk_size: int = 512  # longest prefill chunk of one request per step
+    # While a step carries decode rows, its prefill chunks attend at most this many (query, key) pairs
+    # (scheduler.py): 2**21 = a 512-token chunk at a 4K prefix, ~16 tokens at 128K; 0 = no cap.
+    prefill_attention_pairs: int = 2**21
     prefix_caching: bool = True
     spec_k: int = 0  # MTP draft tokens per step (0 = off, 1..3)
     pipeline: bool = True  # dispatch step k+1 before reading step k (off: one step at a time)

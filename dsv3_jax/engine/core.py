@@ -46,7 +46,7 @@ from dsv3_jax.engine.api import (
     pages_needed,
 )
 from dsv3_jax.engine.executor import DeviceExecutor, Executor, batch_shards
-from dsv3_jax.engine.paging import OutOfPages, PagePool
+from dsv3_jax.engine.paging import OutOfPages, PagePool, page_hashes
 from dsv3_jax.engine.sampling import validate_sampling_params
 from dsv3_jax.engine.scheduler import Request, Scheduler
 
@@ -79,7 +79,8 @@ class Engine:
         self.width = executor.width
         self.pool = PagePool(c.num_pages, c.page_size, c.prefix_caching, shards=self._shards)
         self.sched = Scheduler(self.pool, max_batch=c.max_batch, max_batched_tokens=c.max_batched_tokens,
-                               chunk_size=c.chunk_size, spec_k=c.spec_k, num_slots=c.max_batch)
+                               chunk_size=c.chunk_size, spec_k=c.spec_k, num_slots=c.max_batch,
+                               prefill_attention_pairs=c.prefill_attention_pairs)
         self.finished: dict[int, Request] = {}
         self._inflight: tuple | None = None
         self._sync_next = False
@@ -290,7 +291,8 @@ class Engine:
         fills, not every step."""
         full = min(upto, r.known) // ps
         if full > r.registered_pages:
-            self.pool.register(r.tokens[:full * ps], r.pages)
+            r.page_hashes = page_hashes(r.token_slice(0, full * ps), ps, r.page_hashes[:full])
+            self.pool.register((), r.pages, r.page_hashes[:full])
             r.registered_pages = full
 
     # ------------------------------------------------------------------ driving

@@ -27,10 +27,12 @@ class OutOfPages(RuntimeError):
     page."""
 
 
-def page_hashes(tokens: Sequence[int], page_size: int) -> list[bytes]:
-    """Hash chain over the *full* pages of `tokens`: h_i = H(h_{i-1}, tokens of page i)."""
-    out, prev = [], b""
-    for i in range(len(tokens) // page_size):
+def page_hashes(tokens: Sequence[int], page_size: int, known: Sequence[bytes] = ()) -> list[bytes]:
+    """Hash chain over the *full* pages of `tokens`: h_i = H(h_{i-1}, tokens of page i). `known`: the
+    chain's first hashes for these tokens, extended rather than recomputed (a long prefill publishes a
+    page every few steps; rehashing a 128K prefix each time costs ~20 ms of host time)."""
+    out, prev = list(known), known[-1] if known else b""
+    for i in range(len(known), len(tokens) // page_size):
         chunk = tokens[i * page_size:(i + 1) * page_size]
         prev = hashlib.blake2b(prev + b"|" + ",".join(map(str, chunk)).encode(), digest_size=16).digest()
         out.append(prev)
@@ -167,13 +169,17 @@ class PagePool:
             self.hits += 1
         return got
 
-    def register(self, tokens: Sequence[int], pages: Sequence[int]) -> None:
-        """Publish the full pages of `tokens` (held in `pages`, in order, all of one slice) for reuse."""
+    def register(self, tokens: Sequence[int], pages: Sequence[int],
+                 hashes: Sequence[bytes] | None = None) -> None:
+        """Publish the full pages of `tokens` (held in `pages`, in order, all of one slice) for reuse;
+        `hashes`: their page_hashes when the caller keeps them."""
         if not self.prefix_caching or not pages:
             return
         shard = self.shard_of(pages[0])
         index = self._page_of[shard]
-        for h, p in zip(page_hashes(tokens, self.page_size), pages, strict=False):
+        if hashes is None:
+            hashes = page_hashes(tokens, self.page_size)
+        for h, p in zip(hashes, pages, strict=False):
             if self.shard_of(p) != shard:
                 raise ValueError(f"register: page {p} is on shard {self.shard_of(p)}, the sequence's first "
                                  f"page on shard {shard}; a sequence's pages must share one slice")

@@ -6,8 +6,14 @@ when pages run out (the newest running request is requeued and recomputed, never
 schedule itself: under a token budget (`max_batched_tokens`) and a row budget (`max_batch`), decode
 rows first (1 token, or 1 + k drafts), then prefill chunks of running requests, then admission of
 waiting ones; long prompts are split into `chunk_size` chunks so one 100K prompt cannot stall the
-batch. The result is a list of `step.RowPlan`s, plain host data: laying it out (step.py), executing it
-and committing results (engine.py) are separate. Must not touch device arrays.
+batch, and while a step carries decode rows its prefill chunks together attend at most
+`prefill_attention_pairs` (query, key) pairs (`chunk_tokens_within`): a chunk's attention grows with its
+prefix, so a fixed chunk that is cheap at 4K costs ~30x more at 128K and would stretch every decode row's
+step; under the cap a chunk at a 128K prefix is ~16 tokens and the decoders' step stays near its own
+time (the long prompt's time to first token grows instead; benchmarks/long_context.py measures both).
+Steps without decode rows take whole `chunk_size` chunks. The result is a list of `step.RowPlan`s,
+plain host data: laying it out (step.py), executing it and committing results (core.py) are separate.
+Must not touch device arrays.
 
 Pipelining: a request whose previous row is still running on the device has one *pending* token
 (sampled there, not yet read). The schedule treats it as known-but-remote: the row reads it on device.
@@ -19,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from collections import deque
 from typing import Any
 
@@ -49,6 +56,7 @@ class Request:
     pending: int = 0  # tokens sampled by a dispatched step and not yet committed (0 or 1)
     drafts: list[int] = dataclasses.field(default_factory=list)
     registered_pages: int = 0  # full pages already published to the prefix cache
+    page_hashes: list[bytes] = dataclasses.field(default_factory=list)  # prefix-cache chain so far
     finish_reason: str | None = None
     error: str | None = None
     arrival: float = 0.0
@@ -72,6 +80,14 @@ class Request:
     def known(self) -> int:
         return len(self.prompt) + len(self.output)
 
+    def token_slice(self, a: int, b: int) -> list[int]:
+        """tokens[a:b] (prompt, then output, then drafts) without building the whole list: a 128K
+        prompt is sliced every step of its prefill."""
+        p = len(self.prompt)
+        if b <= p:
+            return self.prompt[a:b]
+        return (self.prompt[a:] if a < p else []) + (self.output + self.drafts)[max(a - p, 0):b - p]
+
     def metrics(self) -> dict[str, float | None]:
         """Per-request timings (engine clock: compile time excluded); None where undefined."""
         ttft = (self.first_token_at - self.arrival) if self.first_token_at is not None else None
@@ -85,11 +101,37 @@ class Request:
                 "tokens_per_step": len(self.output) / self.steps if self.steps else None}
 
 
+def attention_pairs(start: int, n: int) -> int:
+    """(query, key) pairs a chunk of n tokens at positions start .. start + n - 1 attends (causal: the
+    token at position p sees p + 1 keys); the engine's attention runs one kernel row per token, so its
+    cost is proportional to this."""
+    return n * start + n * (n + 1) // 2
+
+
+def chunk_tokens_within(start: int, pairs: int) -> int:
+    """The most tokens a chunk starting at `start` may hold so that it attends at most `pairs` pairs
+    (0 when not even one token fits)."""
+    b = 2 * start + 1
+    n = int((math.isqrt(b * b + 8 * max(pairs, 0)) - b) // 2)
+    while n > 0 and attention_pairs(start, n) > pairs:  # isqrt rounding
+        n -= 1
+    while attention_pairs(start, n + 1) <= pairs:
+        n += 1
+    return n
+
+
 class Scheduler:
     def __init__(self, pool: PagePool, *, max_batch: int, max_batched_tokens: int, chunk_size: int,
-                 spec_k: int, num_slots: int):
+                 spec_k: int, num_slots: int, prefill_attention_pairs: int = 0):
+        """`prefill_attention_pairs`: while a step carries decode rows, its prefill chunks together attend
+        at most this many (query, key) pairs (each prefill row still gets >= 1 token while any pairs are
+        left, so a prefill always progresses); 0: no cap."""
+        if prefill_attention_pairs < 0:
+            raise ValueError(f"prefill_attention_pairs must be >= 0 (0: no cap), "
+                             f"got {prefill_attention_pairs}")
         self.pool = pool
         self.max_batch, self.budget, self.chunk = max_batch, max_batched_tokens, chunk_size
+        self.attention_cap = prefill_attention_pairs
         self.spec_k = spec_k
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -136,10 +178,10 @@ class Scheduler:
         end = r.known + r.pending  # the sequence's length including the pending token
         start = r.computed
         final = start + n >= end
-        chunk = (r.tokens + r.drafts)[start:start + n] if not r.pending else r.tokens[start:start + n]
+        chunk = r.token_slice(start, start + n if not r.pending else min(start + n, r.known))
         pending_last = bool(r.pending) and start + n == end
         ndraft = len(r.drafts) if final and r.drafts else 0
-        hint = r.tokens[start + n] if not final and start + n < r.known else 0
+        hint = r.token_slice(start + n, start + n + 1)[0] if not final and start + n < r.known else 0
         return RowPlan(r.rid, r.slot, start, chunk, n, pending_last, final, ndraft, hint, list(r.pages),
                        r.temperature, r.top_p, r.top_k, r.seed, len(r.output) + r.pending, r.shard)
 
@@ -169,12 +211,31 @@ class Scheduler:
 
         decode = [r for r in self.running if wants(r) and remaining(r) == 1]
         prefill = [r for r in self.running if wants(r) and remaining(r) > 1]
+        # The attention cap on prefill chunks holds only in steps that carry decode rows (whose time it
+        # protects); `pairs_left` is None when uncapped.
+        pairs_left: list[int | None] = [None]
+
+        def chunk(r: Request, start: int) -> int:
+            n = min(remaining(r), self.chunk, budget)
+            if pairs_left[0] is not None:
+                n = min(n, max(chunk_tokens_within(start, pairs_left[0]), 1 if pairs_left[0] > 0 else 0))
+            return n
+
+        def spend(start: int, n: int) -> None:
+            if pairs_left[0] is not None:
+                pairs_left[0] = max(pairs_left[0] - attention_pairs(start, n), 0)
+
         for r in decode + prefill:
             if budget <= 0 or len(plan) >= self.max_batch:
                 break
             if r not in self.running:  # preempted by an earlier row of this plan
                 continue
-            n = 1 + len(r.drafts) if remaining(r) == 1 else min(remaining(r), self.chunk, budget)
+            if (remaining(r) > 1 and pairs_left[0] is None and self.attention_cap
+                    and any(remaining(p) == 1 for p, _ in plan)):
+                pairs_left[0] = self.attention_cap  # the plan holds decode rows (they come first)
+            n = 1 + len(r.drafts) if remaining(r) == 1 else chunk(r, r.computed)
+            if n <= 0:
+                continue
             while not self.ensure_pages(r, r.computed + n):
                 if not can_preempt:
                     starved = True
@@ -188,9 +249,13 @@ class Scheduler:
                     planned.discard(victims[-1].rid)
                 self.preempt(victims[-1])
             else:
+                if remaining(r) > 1:
+                    spend(r.computed, n)
                 plan.append((r, self._row(r, n)))
                 planned.add(r.rid)
                 budget -= n
+        if pairs_left[0] is None and self.attention_cap and any(remaining(r) == 1 for r, _ in plan):
+            pairs_left[0] = self.attention_cap
         while (self.waiting and budget > 0 and len(plan) < self.max_batch and not starved
                and len(self.running) < self.max_batch):
             r = self.waiting[0]
@@ -201,12 +266,15 @@ class Scheduler:
                 r.registered_pages = len(hit)
                 if not r.preemptions:
                     r.cached_tokens = r.computed
-            n = min(remaining(r), self.chunk, budget)
+            n = chunk(r, r.computed)
+            if n <= 0:
+                break  # this step's prefill attention is spent; admit it next step
             if not self.ensure_pages(r, r.computed + n):
                 break  # admission control: wait for pages to free up
             self.waiting.popleft()
             r.slot = self.free_slots.pop()
             self.running.append(r)
+            spend(r.computed, n)
             plan.append((r, self._row(r, n)))
             budget -= n
         return plan, starved

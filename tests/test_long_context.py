@@ -1,0 +1,132 @@
+"""Long context in the engine: the prefill-attention cap that keeps decoders' steps short while a long
+prompt prefills (scheduler.py), the incremental prefix-cache hashes a long prefill publishes, and the
+GPU script benchmarks/long_context.py run end to end at toy sizes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dsv3_jax.engine.paging import PagePool, page_hashes
+from dsv3_jax.engine.scheduler import Request, Scheduler, attention_pairs, chunk_tokens_within
+
+
+def _brute_pairs(start: int, n: int) -> int:
+    return sum(start + t + 1 for t in range(n))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 200_000), st.integers(0, 10**8))
+def test_chunk_tokens_within_is_the_largest_chunk_under_the_cap(start, pairs):
+    n = chunk_tokens_within(start, pairs)
+    assert attention_pairs(start, n) <= pairs < attention_pairs(start, n + 1)
+    if n < 50:
+        assert attention_pairs(start, n) == _brute_pairs(start, n)
+
+
+def _request(rid: int, prompt_len: int, new: int) -> Request:
+    rng = np.random.default_rng(rid)
+    return Request(rid, rng.integers(2, 200, prompt_len).tolist(), new, 0.0, 1.0, 0, 0, frozenset())
+
+
+def _drive(sched: Scheduler, steps: int) -> list[list[tuple[Request, object]]]:
+    """Run the schedule without a device: each row's tokens count as computed, a final row emits one
+    token (what core.Engine does, pipelining off)."""
+    plans = []
+    for _ in range(steps):
+        plan, starved = sched.schedule()
+        assert not starved
+        for r, row in plan:
+            r.computed += row.n
+            if row.final:
+                r.output.append(7)
+        for r in [r for r in sched.running if len(r.output) >= r.max_new_tokens]:
+            sched.remove(r)
+        plans.append(plan)
+    return plans
+
+
+@pytest.mark.parametrize("cap", [0, 4096, 40_000])
+def test_a_long_prefill_beside_decoders_stays_under_the_attention_cap(cap):
+    pool = PagePool(num_pages=1 + 8 * 4 + 64, page_size=16, prefix_caching=False)
+    sched = Scheduler(pool, max_batch=16, max_batched_tokens=512, chunk_size=256, spec_k=0, num_slots=16,
+                      prefill_attention_pairs=cap)
+    decoders = [_request(i, 20, 200) for i in range(4)]
+    sched.waiting.extend(decoders)
+    _drive(sched, 2)  # the short prompts prefill and start decoding
+    assert all(r.output for r in decoders)
+    long = _request(99, 900, 1)
+    sched.waiting.append(long)
+    plans = _drive(sched, 400)
+    assert long.output, "the long prompt must finish its prefill"
+    chunks = [(row.start, row.n) for plan in plans for r, row in plan if r is long]
+    assert sum(n for _, n in chunks) == 900
+    decoding = [plan for plan in plans if any(r is long for r, _ in plan)]
+    # Every step of the long prefill also decoded all four short requests.
+    assert all(sum(1 for r, row in plan if row.n == 1 and r is not long) == 4 for plan in decoding)
+    if cap:
+        # Each chunk attends at most the cap (at least 1 token: the prefill always progresses).
+        assert all(attention_pairs(s, n) <= cap or n == 1 for s, n in chunks)
+        # Deeper chunks are shorter: the cap, not chunk_size, sets them past the first.
+        assert chunks[-1][1] < chunks[0][1] <= 256
+        assert len(chunks) >= 900 * 900 // 2 // cap
+    else:
+        assert [n for _, n in chunks] == [256, 256, 256, 132]
+
+
+def test_without_decoders_a_long_prompt_takes_whole_chunks():
+    pool = PagePool(num_pages=1 + 64, page_size=16, prefix_caching=False)
+    sched = Scheduler(pool, max_batch=4, max_batched_tokens=512, chunk_size=256, spec_k=0, num_slots=4,
+                      prefill_attention_pairs=1000)
+    long = _request(1, 900, 1)
+    sched.waiting.append(long)
+    plans = _drive(sched, 4)
+    assert [row.n for plan in plans for _, row in plan] == [256, 256, 256, 132]
+    with pytest.raises(ValueError, match="prefill_attention_pairs"):
+        Scheduler(pool, max_batch=4, max_batched_tokens=512, chunk_size=256, spec_k=0, num_slots=4,
+                  prefill_attention_pairs=-1)
+
+
+def test_page_hashes_extend_the_known_chain():
+    toks = list(range(1000))
+    whole = page_hashes(toks, 16)
+    assert page_hashes(toks, 16, whole[:10]) == whole
+    assert page_hashes(toks[:500], 16, whole[:3]) == whole[:31]
+
+
+def test_token_slice_equals_slicing_the_whole_sequence():
+    r = _request(3, 50, 10)
+    r.output, r.drafts = [5, 6, 7], [8, 9]
+    full = r.tokens + r.drafts
+    for a in range(0, 56):
+        for b in range(a, 56):
+            assert r.token_slice(a, b) == full[a:b], (a, b)
+
+
+def test_capped_chunks_give_the_same_tokens_through_the_engine():
+    """Decoders plus a long prompt, with a tight cap (chunks of a few tokens) and without: same greedy
+    tokens for everyone, and the capped run really cut the long prompt into more, smaller chunks."""
+    from dsv3_jax.api import ModelHandle
+    from dsv3_jax.engine.core import Engine, EngineConfig
+    from tests.test_engine import CFG, _mtp_friendly_params
+
+    handle = ModelHandle(CFG, _mtp_friendly_params(CFG, 1, 4.0))
+    rng = np.random.default_rng(5)
+    short = [rng.integers(2, 256, 6).tolist() for _ in range(3)]
+    long = rng.integers(2, 256, 200).tolist()
+    out, steps = {}, {}
+    for cap in (0, 600):
+        eng = Engine(handle, EngineConfig(num_pages=64, page_size=16, max_batch=4, max_batched_tokens=128,
+                                          chunk_size=64, prefill_attention_pairs=cap))
+        rids = [eng.add_request(p, max_new_tokens=24) for p in short]
+        eng.step()
+        eng.step()
+        rids.append(eng.add_request(long, max_new_tokens=3))
+        for _ in eng.run():
+            pass
+        out[cap] = [eng.finished[r].output for r in rids]
+        steps[cap] = eng.stats["steps"]
+    assert out[600] == out[0]
+    assert steps[600] > steps[0]
