@@ -91,9 +91,16 @@ def test_all_to_all_dispatch_matches(models, kind, spec, capacity):
 
 
 def test_capacity_and_dispatch_choice():
-    assert moe.a2a_capacity(n_local=64, k=8, ep=8, experts_per_shard=32, capacity_factor=2.0) == (128, 512)
-    # capped at the worst case
-    assert moe.a2a_capacity(n_local=2, k=8, ep=8, experts_per_shard=1, capacity_factor=2.0)[0] == 2
+    v3 = dsv3_jax.ModelConfig.preset("deepseek-v3")
+    # A token reaches at most 4 devices at EP=8 (4 groups, one group per device), 8 at EP=16 (a group
+    # spans 2 devices), never more than k or ep; a group split unevenly spans one device more.
+    assert [moe.max_destinations(v3, ep) for ep in (1, 2, 4, 8, 16, 32, 64)] == [1, 2, 4, 4, 8, 8, 8]
+    assert moe.max_destinations(v3.replace(n_group=1, topk_group=1), 8) == 8
+    assert moe.max_destinations(v3.replace(n_routed_experts=96, n_group=12, topk_group=1), 8) == 2
+    # Capacity: capacity_factor x the balanced load (n x max_dest / ep), rounded up to 8, capped at n.
+    assert moe.a2a_capacity(n_local=64, ep=16, max_dest=4, capacity_factor=2.0) == (32, 64)
+    assert moe.a2a_capacity(n_local=4096, ep=8, max_dest=4, capacity_factor=2.0) == (4096, 4096)
+    assert moe.a2a_capacity(n_local=2, ep=8, max_dest=8, capacity_factor=2.0)[0] == 2
     auto = TraceOptions()
     assert moe.choose_dispatch(64, auto) == "all_gather"
     assert moe.choose_dispatch(auto.all_gather_max_tokens + 1, auto) == "all_to_all"

@@ -6,12 +6,13 @@ Owns: expert selection and weights (`route`), token permutation by expert, the g
 is computed. Expert weights are stacked [E, ...] in the HF [out, in] layout.
 
 Expert parallelism (`expert_parallel`): under `jax.set_mesh(mesh)` with a mesh from sharding.py, the
-routed experts run inside `shard_map` with explicit collectives; without a mesh (or a 1-device mesh) the
-single-device path (`routed_experts` on all tokens) runs unchanged. How the MoE learns the mesh: it
-reads `jax.sharding.get_abstract_mesh()` at trace time, i.e. the mesh the *caller* set with
-`jax.set_mesh` around tracing (ModelHandle does this). Which array lives where comes from sharding.py's
-tables; this module owns only the collectives. The dispatch mode and its thresholds come from the
-module's `trace_options` (trace_options.py), never from module state.
+router and the routed experts run inside `shard_map` with explicit collectives (each device routes only
+its own tokens; only tokens travel, in the activation dtype, with their routing ids and weights); without
+a mesh (or a 1-device mesh) the single-device path (`route`, then `routed_experts` on all tokens) runs.
+How the MoE learns the mesh: it reads `jax.sharding.get_abstract_mesh()` at trace time, i.e. the mesh
+the *caller* set with `jax.set_mesh` around tracing (ModelHandle does this). Which array lives where
+comes from sharding.py's tables; this module owns only the collectives. The dispatch mode and its
+thresholds come from the module's `trace_options` (trace_options.py), never from module state.
 """
 
 from __future__ import annotations
@@ -82,17 +83,24 @@ def routed_experts(x: jax.Array, weights: jax.Array, idx: jax.Array, experts: di
 
 
 # ------------------------------------------------------------------------------- expert parallelism
-# Which dispatch runs when (decided at trace time from static shapes and the TraceOptions: its
-# `moe_dispatch` "auto" follows this table, "all_gather" / "all_to_all" force one path):
+# Every device routes its own tokens (the router is replicated, 0.3% of a MoE layer) inside the
+# shard_map, so no routing intermediate crosses a device. Which dispatch runs when is decided at trace
+# time from static shapes and the TraceOptions (`moe_dispatch` "auto" follows this table, "all_gather" /
+# "all_to_all" force one path):
 # - "all_gather" when an expert group holds at most `all_gather_max_tokens` tokens (decode): every device
 #   gathers the group's tokens, runs its own experts on the (token, choice) pairs that chose them, and a
-#   reduce-scatter returns each token's partial sums to its owner. No capacity, nothing to drop; bytes
-#   on the wire ~ ep x tokens x D each way, which for DeepSeek (k = 8 = ep) equals the all-to-all's.
-# - "all_to_all" above that (prefill): each (token, choice) pair is sent only to the device owning its
-#   expert, in a capacity-bounded buffer of C rows per (source, destination) pair, C = `capacity_factor` x
-#   the balanced load; results come back by a second all-to-all. If any pair of devices would exceed C
-#   (checked on every call, collectively), the whole layer falls back to the all-gather path for that
-#   call, so no token is ever dropped. If C reaches the worst case, the check is skipped.
+#   reduce-scatter returns each token's partial sums to its owner. No capacity, nothing to drop.
+# - "all_to_all" above that (prefill): each token travels once to each device owning at least one of its
+#   chosen experts (never once per expert), with its local expert ids and routing weights; that device
+#   returns one weighted partial sum per token, and the owner adds them up. Buffers hold C rows per
+#   (source, destination) pair, C = `capacity_factor` x the balanced load, where a token reaches at most
+#   `max_destinations` devices (DeepSeek-V3's group limit: 4 groups of 32 experts, so <= 4 of 8 devices at
+#   EP=8), capped at the worst case (every local token). If any pair would exceed C (checked on every
+#   call, collectively), the whole layer falls back to the all-gather path for that call, so no token is
+#   ever dropped; at C = the worst case the check is skipped.
+# Bytes on the wire, per device and MoE layer, n tokens per device, bf16 payloads: the all-gather and the
+# reduce-scatter each (ep-1) x n x D x 2; the all-to-all (ep-1)/ep x ep x C x (D x 2 + ids and weights),
+# both ways. For DeepSeek-V3 at EP=8 both equal the DeepEP-style volume (n x k x D x 2 x (ep-1)/ep, k = 8).
 def choose_dispatch(group_tokens: int, options: TraceOptions) -> str:
     """The dispatch for an expert group of `group_tokens` tokens (see the table above)."""
     if options.moe_dispatch != "auto":
@@ -100,11 +108,22 @@ def choose_dispatch(group_tokens: int, options: TraceOptions) -> str:
     return "all_gather" if group_tokens <= options.all_gather_max_tokens else "all_to_all"
 
 
-def a2a_capacity(n_local: int, k: int, ep: int, experts_per_shard: int,
-                 capacity_factor: float) -> tuple[int, int]:
-    """(capacity C per source->destination pair, worst case) for the all-to-all dispatch."""
-    worst = n_local * min(k, experts_per_shard)
-    balanced = -(-n_local * k // ep)
+def max_destinations(cfg: ModelConfig, ep: int) -> int:
+    """The most devices of an expert group of `ep` one token's experts can live on: k choices, and with
+    group-limited routing at most `topk_group` groups, each spanning ceil(group / experts per device)
+    devices (one more when the two do not align)."""
+    e_loc = cfg.n_routed_experts // ep
+    group = cfg.n_routed_experts // cfg.n_group
+    span = -(-group // e_loc) + (0 if group % e_loc == 0 or e_loc % group == 0 else 1)
+    return max(1, min(cfg.num_experts_per_tok, ep, cfg.topk_group * span))
+
+
+def a2a_capacity(n_local: int, ep: int, max_dest: int, capacity_factor: float) -> tuple[int, int]:
+    """(capacity C per source->destination pair, worst case) for the all-to-all dispatch: a token goes to
+    a destination at most once, so the worst case is every local token; the balanced load is
+    n_local x max_dest / ep (C rounded up to 8 rows)."""
+    worst = n_local
+    balanced = -(-n_local * max_dest // ep)
     cap = -(-math.ceil(capacity_factor * balanced) // 8) * 8
     return min(cap, worst), worst
 
@@ -114,43 +133,49 @@ def _ep_all_gather(x, w, idx, experts, e_loc: int, backend: str) -> jax.Array:
     shard = jax.lax.axis_index("expert")
     xg = jax.lax.all_gather(x, "expert", tiled=True)
     wg = jax.lax.all_gather(w, "expert", tiled=True)
-    ig = jax.lax.all_gather(idx, "expert", tiled=True) - shard * e_loc  # foreign ids fall outside
+    ig = jax.lax.all_gather(idx, "expert", tiled=True)
+    ig = jnp.where(ig >= 0, ig - shard * e_loc, -1)  # foreign ids fall outside [0, e_loc), padding stays -1
     y = routed_experts(xg, wg, ig, experts, e_loc, backend=backend)
     return jax.lax.psum_scatter(y, "expert", scatter_dimension=0, tiled=True)
 
 
 def _ep_all_to_all(x, w, idx, experts, e_loc: int, ep: int, cap: int, backend: str) -> jax.Array:
-    """Send each (token, choice) to its expert's device (C slots per destination), compute, send back."""
+    """Send each token once to every device holding one of its experts (C slots per destination), with
+    its local ids and weights; each device returns one weighted partial sum per received token."""
     n, k = idx.shape
     d = x.shape[-1]
-    flat = idx.reshape(-1)
-    dest = jnp.where(flat >= 0, flat // e_loc, ep)  # padding tokens (-1) sort last and are never sent
-    order = jnp.argsort(dest, stable=True)
-    counts = jnp.bincount(dest, length=ep + 1)
-    starts = jnp.cumsum(counts) - counts
-    sdest = dest[order]
-    rank = jnp.arange(n * k) - starts[sdest]
-    valid = (rank < cap) & (sdest < ep)
-    slot = jnp.where(valid, sdest * cap + rank, ep * cap)  # ep*cap: out of bounds, dropped by .set
-    send_x = jnp.zeros((ep * cap, d), x.dtype).at[slot].set(x[order // k], mode="drop")
-    send_e = jnp.full((ep * cap,), -1, jnp.int32).at[slot].set(flat[order] - sdest * e_loc, mode="drop")
-    recv_x = jax.lax.all_to_all(send_x, "expert", 0, 0, tiled=True)
-    recv_e = jax.lax.all_to_all(send_e, "expert", 0, 0, tiled=True)
-    # Padding slots carry id -1: routed_experts skips them.
-    y = routed_experts(recv_x, jnp.ones((ep * cap, 1), jnp.float32), recv_e[:, None], experts, e_loc,
-                       backend=backend)
+    dest = jnp.where(idx >= 0, idx // e_loc, ep)  # [n, k]; padding tokens (-1) go nowhere
+    goes = (dest[:, :, None] == jnp.arange(ep)).any(1)  # [n, ep]: token -> destination, once
+    rank = jnp.cumsum(goes, axis=0) - 1  # the token's row in its destination's buffer
+    sent = goes & (rank < cap)
+    slot = jnp.where(sent, jnp.arange(ep) * cap + rank, ep * cap)  # ep*cap: out of bounds, dropped
+    src = jnp.full((ep * cap,), n, jnp.int32).at[slot.reshape(-1)].set(
+        jnp.repeat(jnp.arange(n, dtype=jnp.int32), ep), mode="drop")  # slot -> token (n: empty slot)
+    x_pad = jnp.concatenate([x, jnp.zeros((1, d), x.dtype)])
+    i_pad = jnp.concatenate([idx, jnp.full((1, k), -1, idx.dtype)])
+    w_pad = jnp.concatenate([w, jnp.zeros((1, k), w.dtype)])
+    slot_dest = jnp.arange(ep * cap) // cap
+    ids = i_pad[src]
+    mine = (ids >= 0) & (ids // e_loc == slot_dest[:, None])
+    send_ids = jnp.where(mine, ids - slot_dest[:, None] * e_loc, -1)  # the destination's local ids
+    send_w = jnp.where(mine, w_pad[src], 0.0)
+    recv_x = jax.lax.all_to_all(x_pad[src], "expert", 0, 0, tiled=True)
+    recv_ids = jax.lax.all_to_all(send_ids, "expert", 0, 0, tiled=True)
+    recv_w = jax.lax.all_to_all(send_w, "expert", 0, 0, tiled=True)
+    y = routed_experts(recv_x, recv_w, recv_ids, experts, e_loc, backend=backend)  # weighted partial sums
     back = jax.lax.all_to_all(y, "expert", 0, 0, tiled=True)
-    yp = back[jnp.minimum(slot, ep * cap - 1)].astype(jnp.float32)
-    wp = jnp.where(valid, w.reshape(-1)[order], 0.0)
-    return jnp.zeros((n, d), jnp.float32).at[order // k].add(yp * wp[:, None]).astype(x.dtype)
+    return jnp.zeros((n, d), jnp.float32).at[src].add(back.astype(jnp.float32), mode="drop").astype(x.dtype)
 
 
-def expert_parallel(x: jax.Array, weights: jax.Array, idx: jax.Array, experts: dict, num_experts: int,
-                    mesh, options: TraceOptions) -> jax.Array:
-    """routed_experts on a mesh: tokens [N, D] batch-sharded over (data, expert), experts over `expert`,
-    their FFN width over `tensor` (partial sums psum'ed over tensor). Same numbers as one device.
+def expert_parallel(x: jax.Array, gate_w: jax.Array, bias: jax.Array, valid: jax.Array, experts: dict,
+                    cfg: ModelConfig, mesh, options: TraceOptions) -> tuple[jax.Array, jax.Array]:
+    """Route and run the routed experts on a mesh: tokens [N, D] (and `valid` [N]) batch-sharded over
+    (data, expert), the router replicated (each device routes its own tokens), experts over `expert`,
+    their FFN width over `tensor` (partial sums psum'ed over tensor). Returns (output [N, D], the chosen
+    expert ids [N, k], padding tokens' included); same numbers as one device.
     `options` gives the dispatch mode, its thresholds and the kernel backend.
     """
+    num_experts = cfg.n_routed_experts
     sizes = sharding.axis_sizes(mesh)
     ep = sizes["expert"]
     e_loc = num_experts // ep
@@ -162,10 +187,13 @@ def expert_parallel(x: jax.Array, weights: jax.Array, idx: jax.Array, experts: d
     exp_specs = {name: {key: w_specs[name] for key in p} for name, p in experts.items()}
     n_local = x.shape[0] // sharding.batch_multiple(mesh)
     mode = choose_dispatch(n_local * ep, options)
-    cap, worst = a2a_capacity(n_local, idx.shape[1], ep, e_loc, options.capacity_factor)
+    cap, worst = a2a_capacity(n_local, ep, max_destinations(cfg, ep), options.capacity_factor)
     backend = options.kernels
 
-    def body(x, w, idx, experts):
+    def body(x, gate_w, bias, valid, experts):
+        logits = jnp.einsum("nd,ed->ne", x.astype(jnp.float32), gate_w.astype(jnp.float32))
+        w, choice = route(logits, bias, cfg)
+        idx = jnp.where(valid[:, None], choice, -1)
         if ep == 1:
             y = routed_experts(x, w, idx, experts, num_experts, backend=backend)
         elif mode == "all_gather":
@@ -174,18 +202,19 @@ def expert_parallel(x: jax.Array, weights: jax.Array, idx: jax.Array, experts: d
             y = _ep_all_to_all(x, w, idx, experts, e_loc, ep, cap, backend)
         else:
             # Overflow anywhere -> every device falls back together (the predicate is global).
-            flat = idx.reshape(-1)
-            load = jnp.bincount(jnp.where(flat >= 0, flat // e_loc, ep), length=ep + 1)[:ep].max()
+            dest = jnp.where(idx >= 0, idx // e_loc, ep)
+            load = (dest[:, :, None] == jnp.arange(ep)).any(1).sum(0).max()
             overflow = jax.lax.pmax(load, batch_axes) > cap  # tokens are tensor-invariant
             y = jax.lax.cond(overflow,
                              lambda *a: _ep_all_gather(*a, e_loc, backend),
                              lambda *a: _ep_all_to_all(*a, e_loc, ep, cap, backend),
                              x, w, idx, experts)
         # Each device computed its FFN slice's partial sum (a no-op reduction when tensor=1).
-        return jax.lax.psum(y, "tensor")
+        return jax.lax.psum(y, "tensor"), choice
 
-    fn = jax.shard_map(body, mesh=mesh, in_specs=(tok, row, row, exp_specs), out_specs=tok)
-    return fn(x, weights, idx, experts)
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(tok, P(), P(), P(tok[0]), exp_specs),
+                       out_specs=(tok, row))
+    return fn(x, gate_w, bias, valid, experts)
 
 
 class MoE(nn.Module):
@@ -216,18 +245,19 @@ class MoE(nn.Module):
                    "down_proj": expert_param("down_proj", d, i)}
         shape = x.shape
         xf = x.reshape(-1, d)
-        logits = jnp.einsum("nd,ed->ne", xf.astype(jnp.float32), gate_w.astype(jnp.float32))
-        w, idx = route(logits, bias, c)
-        self.sow("intermediates", "router_choice", idx.reshape(*shape[:-1], -1))
-        if valid is not None:
-            idx = jnp.where(valid.reshape(-1, 1), idx, -1)
+        mesh = jax.sharding.get_abstract_mesh()
+        if mesh.empty or math.prod(sharding.axis_sizes(mesh).values()) == 1:  # one device
+            logits = jnp.einsum("nd,ed->ne", xf.astype(jnp.float32), gate_w.astype(jnp.float32))
+            w, choice = route(logits, bias, c)
+            idx = choice if valid is None else jnp.where(valid.reshape(-1, 1), choice, -1)
+            out = routed_experts(xf, w, idx, experts, e, backend=self.trace_options.kernels)
+        else:  # each device routes its own tokens inside the expert-parallel shard_map
+            ok = jnp.ones(xf.shape[:1], bool) if valid is None else valid.reshape(-1)
+            out, choice = expert_parallel(xf, gate_w, bias, ok, experts, c, mesh, self.trace_options)
+            idx = choice if valid is None else jnp.where(valid.reshape(-1, 1), choice, -1)
+        self.sow("intermediates", "router_choice", choice.reshape(*shape[:-1], -1))
         self.sow("intermediates", "expert_load", jnp.bincount(jnp.where(idx >= 0, idx, e).reshape(-1),
                                                               length=e + 1)[:e])
-        mesh = jax.sharding.get_abstract_mesh()
-        if mesh.empty or math.prod(sharding.axis_sizes(mesh).values()) == 1:
-            out = routed_experts(xf, w, idx, experts, e, backend=self.trace_options.kernels)  # one device
-        else:
-            out = expert_parallel(xf, w, idx, experts, e, mesh, self.trace_options)
         if c.n_shared_experts:
             shared = MLP(d, i * c.n_shared_experts, self.param_dtype, self.fp8, self.trace_options,
                          name="shared_experts")
