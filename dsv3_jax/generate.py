@@ -1,6 +1,8 @@
 """`python -m dsv3_jax.generate`: generation and chat from the command line.
 
-Owns: flag parsing and checking every flag before loading (--dtype spellings and --mesh via cli.py,
+Owns: flag parsing (vLLM's spellings first: MODEL_DIR, --num-speculative-tokens, --enforce-eager, the
+shared ones in parallel/flags.py) and checking every flag before loading (--dtype spellings and --mesh
+via cli.py,
 sampling values and the seed range), reading prompts (--prompt, --input-file: UTF-8 with or without
 BOM, lines or JSONL, --interactive REPL), streaming to the terminal, --json output, and turning bad
 input into one line on stderr with a non-zero exit (no traceback), and the engine sizing the flags and
@@ -24,7 +26,9 @@ from dsv3_jax.cli import EXIT_BAD_INPUT  # noqa: F401 - re-exported for callers
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m dsv3_jax.generate",
                                 description="Generate text with a DeepSeek-V3-class model.")
-    p.add_argument("--ckpt", type=Path, help="converted (or HF) checkpoint dir; default: the embedded model")
+    from dsv3_jax.parallel import flags as parallel_cli
+
+    parallel_cli.add_model_args(p)  # MODEL_DIR, --model, --ckpt
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="one prompt")
     src.add_argument("--input-file", type=Path, help="one prompt per line, or JSONL with prompt/messages")
@@ -42,15 +46,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--attention", choices=["absorbed", "naive"], default="absorbed")
     p.add_argument("--dtype", help="compute dtype: bf16 (bfloat16), fp16 or fp32 (float32); default: the "
                                    "checkpoint's. FP8 weights stay FP8")
-    p.add_argument("--mtp", type=int, default=0, metavar="K",
+    p.add_argument("--num-speculative-tokens", "--mtp", dest="mtp", type=int, default=0, metavar="K",
                    help="speculative decoding with K MTP draft tokens per step (0 = off, up to 3)")
+    p.add_argument("--chat-template", metavar="FILE_OR_TEXT",
+                   help="a Jinja chat template (a file, or the template itself) instead of the checkpoint's")
     p.add_argument("--stats", action="store_true", help="print per-request and engine metrics")
-    p.add_argument("--no-warmup", action="store_true",
-                   help="compile step programs on first use instead of all before the first token")
+    p.add_argument("--no-warmup", "--enforce-eager", dest="no_warmup", action="store_true",
+                   help="compile step programs on first use instead of all before the first token (vLLM's "
+                        "--enforce-eager skips its start-up graph capture the same way)")
     p.add_argument("--json", action="store_true", help="print machine-readable results (JSON lines)")
-    from dsv3_jax.parallel import flags as parallel_cli
-
-    parallel_cli.add_flags(p)  # --tp/--dp/--ep, capacity, multi-process
+    parallel_cli.add_flags(p)  # --tensor-parallel-size/-tp, --data-parallel-size, capacity, multi-process
     return p
 
 
@@ -93,7 +98,10 @@ def _check_flags(args: argparse.Namespace) -> None:
         sharding.parse_mesh_spec(args.mesh)  # names the bad axis or size now, not after loading
     from dsv3_jax.parallel import flags as parallel_cli
 
+    parallel_cli.resolve_model(args)
     parallel_cli.check(args)
+    if args.chat_template is not None:  # read and parsed now: a bad template is refused before loading
+        args.chat_template = parallel_cli.load_chat_template(args.chat_template)
     if any(not s for s in args.stop):
         raise ValueError("--stop: an empty stop string would stop before the first token")
 
@@ -258,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
               f"to disable)", file=sys.stderr)
         if handle.tokenizer is None:
             raise ValueError(f"{args.ckpt}: no tokenizer.json in the checkpoint; the CLI needs one")
+        if args.chat_template is not None:
+            handle.tokenizer.chat_template = args.chat_template
         if args.interactive:
             _run_interactive(handle, args, sizing)
         else:

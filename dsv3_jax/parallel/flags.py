@@ -1,8 +1,12 @@
 """The layout, capacity and multi-host flags that `generate` and `serve` share, and what they start.
 
-Owns: `--tp/--dp/--ep` (shorthands for `--mesh tensor=..,data=..,expert=..`), `--max-model-len`,
-`--memory-fraction`, `--device-memory`, `--max-batch`, `--max-batched-tokens`, `--n-activated-experts`
-and the multi-process flags (distributed.add_cli_flags); checking them before anything loads; the
+Owns: the layout flags under vLLM's names with ours as aliases (`--tensor-parallel-size/-tp/--tp`,
+`--data-parallel-size/-dp/--dp`, `--ep`, `--enable-expert-parallel`: shorthands for `--mesh
+tensor=..,data=..,expert=..`), `--max-model-len`, `--gpu-memory-utilization/--memory-fraction`,
+`--device-memory`, `--max-num-seqs/--max-batch`, `--max-num-batched-tokens/--max-batched-tokens`,
+`--n-activated-experts`, the checkpoint argument both CLIs take (`add_model_args`: positional MODEL_DIR,
+`--model`, `--ckpt`) and the multi-process flags (distributed.add_cli_flags); checking them before
+anything loads; the
 warm-up progress lines both CLIs print (`warmup_printer`); starting
 the processes (`start`: jax.distributed, and with several processes the engine's `lockstep.Lockstep`,
 which the caller hands to the loaded model or follows with); and sizing the engine from the planner
@@ -14,49 +18,106 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any
 
 from dsv3_jax.parallel import distributed
 
 SHORTHANDS = (("tp", "tensor"), ("dp", "data"), ("ep", "expert"))
+LONG_NAMES = {"tp": "--tensor-parallel-size", "dp": "--data-parallel-size"}
 
 
 def add_flags(parser: argparse.ArgumentParser, *, engine_sizing: bool = True) -> None:
     """The shared flags (`--mesh` itself stays the command's own). `engine_sizing=False` leaves out
     --max-batch / --max-batched-tokens for a command that defines them already."""
     g = parser.add_argument_group("layout and capacity")
-    g.add_argument("--tp", type=int, metavar="N", help="tensor parallel size (shorthand for --mesh tensor=N)")
-    g.add_argument("--dp", type=int, metavar="N", help="data parallel size: batch shards with their own KV "
-                                                      "pages (DP attention)")
+    g.add_argument("--tensor-parallel-size", "-tp", "--tp", dest="tp", type=int, metavar="N",
+                   help="tensor parallel size (shorthand for --mesh tensor=N)")
+    g.add_argument("--data-parallel-size", "-dp", "--dp", dest="dp", type=int, metavar="N",
+                   help="data parallel size: batch shards with their own KV pages (DP attention)")
     g.add_argument("--ep", type=int, metavar="N", help="expert parallel size (also a batch axis outside "
                                                       "the MoE)")
+    g.add_argument("--enable-expert-parallel", action="store_true",
+                   help="vLLM's DP + EP deployment: the --data-parallel-size ranks split the routed experts "
+                        "(mesh expert=N instead of data=N; attention stays data-parallel over them, "
+                        "--tensor-parallel-size still splits each expert's width)")
     g.add_argument("--max-model-len", type=int, metavar="T",
                    help="longest request (prompt + output) the KV pool must hold; default: the model's "
                         "context")
-    g.add_argument("--memory-fraction", type=float, default=0.9, metavar="F",
-                   help="share of each device's memory for weights + activations + KV pages (like vLLM's "
-                        "--gpu-memory-utilization; default 0.9)")
+    g.add_argument("--gpu-memory-utilization", "--memory-fraction", dest="memory_fraction", type=float,
+                   default=0.9, metavar="F",
+                   help="share of each device's memory for weights + activations + KV pages (default 0.9)")
     g.add_argument("--device-memory", metavar="BYTES",
                    help="per-device memory to plan with, e.g. 141GB (default: what the accelerator reports; "
                         "none on CPU, where the pool is sized for the work instead)")
     if engine_sizing:
-        g.add_argument("--max-batch", type=int, metavar="S", help="sequences per engine step")
-        g.add_argument("--max-batched-tokens", type=int, metavar="N", help="tokens per engine step")
+        g.add_argument("--max-num-seqs", "--max-batch", dest="max_batch", type=int, metavar="S",
+                       help="sequences per engine step")
+        g.add_argument("--max-num-batched-tokens", "--max-batched-tokens", dest="max_batched_tokens",
+                       type=int, metavar="N", help="tokens per engine step")
     g.add_argument("--n-activated-experts", type=int, metavar="K",
                    help="routed experts per token (default: the checkpoint's num_experts_per_tok)")
     distributed.add_cli_flags(parser)
 
 
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    """The checkpoint directory, as vLLM takes it (positional MODEL_DIR or --model) or as before (--ckpt);
+    `resolve_model` folds them into `args.ckpt` (None: the embedded default model)."""
+    parser.add_argument("model_dir", nargs="?", type=Path, metavar="MODEL_DIR",
+                        help="converted (or HF) checkpoint dir; default: the embedded model")
+    parser.add_argument("--model", "--ckpt", dest="ckpt", type=Path, metavar="DIR",
+                        help="the same as MODEL_DIR")
+
+
+def resolve_model(args: argparse.Namespace) -> None:
+    """args.ckpt from MODEL_DIR / --model / --ckpt; two different directories are refused."""
+    pos = getattr(args, "model_dir", None)
+    if pos is not None and args.ckpt is not None and pos != args.ckpt:
+        raise ValueError(f"two checkpoints given: MODEL_DIR {pos} and --model {args.ckpt}; give one")
+    args.ckpt = args.ckpt if args.ckpt is not None else pos
+
+
+def load_chat_template(value: str) -> str:
+    """`--chat-template`: a file's text, or the value itself when it is a template (vLLM takes both);
+    ValueError naming the flag when it is neither a file nor valid Jinja."""
+    import jinja2
+
+    path = Path(value)
+    looks_like_path = "{" not in value and "\n" not in value
+    if looks_like_path:
+        if not path.is_file():
+            raise ValueError(f"--chat-template: no such file {value!r} (give a file or the template text)")
+        try:
+            value = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--chat-template {path}: cannot read it ({e})") from None
+    try:
+        jinja2.Environment().parse(value)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"--chat-template: not a valid Jinja template (line {e.lineno}: {e.message})"
+                         ) from None
+    return value
+
+
 def check(args: argparse.Namespace) -> None:
-    """Refuse bad values before loading; fold --tp/--dp/--ep into args.mesh."""
+    """Refuse bad values before loading; fold --tp/--dp/--ep (and --enable-expert-parallel) into
+    args.mesh."""
     from dsv3_jax import plan
     from dsv3_jax.parallel import sharding
 
-    given = {axis: getattr(args, flag) for flag, axis in SHORTHANDS if getattr(args, flag) is not None}
     for flag, _ in SHORTHANDS:
         v = getattr(args, flag)
         if v is not None and v < 1:
-            raise ValueError(f"--{flag} must be >= 1, got {v}")
+            raise ValueError(f"{LONG_NAMES.get(flag, '--' + flag)} must be >= 1, got {v}")
+    if getattr(args, "enable_expert_parallel", False):
+        if (args.dp or 1) < 2:
+            raise ValueError("--enable-expert-parallel splits the experts over the --data-parallel-size "
+                             "ranks (DP attention + EP); give --data-parallel-size N > 1, or --ep N directly")
+        if args.ep is not None:
+            raise ValueError("give either --ep or --enable-expert-parallel (which makes the data-parallel "
+                             "ranks expert-parallel), not both")
+        args.ep, args.dp = args.dp, None
+    given = {axis: getattr(args, flag) for flag, axis in SHORTHANDS if getattr(args, flag) is not None}
     if given:
         if getattr(args, "mesh", None):
             raise ValueError("give either --mesh or --tp/--dp/--ep, not both")
@@ -68,10 +129,11 @@ def check(args: argparse.Namespace) -> None:
         raise ValueError(f"--memory-fraction must lie in (0, 1], got {args.memory_fraction}")
     if args.device_memory is not None:
         plan.parse_bytes(args.device_memory)
-    for flag in ("max_batch", "max_batched_tokens", "n_activated_experts"):
+    for flag, name in (("max_batch", "--max-num-seqs"), ("max_batched_tokens", "--max-num-batched-tokens"),
+                       ("n_activated_experts", "--n-activated-experts")):
         v = getattr(args, flag, None)
         if v is not None and v < 1:
-            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {v}")
+            raise ValueError(f"{name} must be >= 1, got {v}")
     if args.peer_timeout <= 0:
         raise ValueError(f"--peer-timeout must be > 0 seconds, got {args.peer_timeout}")
 
