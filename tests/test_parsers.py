@@ -133,3 +133,62 @@ def test_tool_description_block(desc):
     assert f"Description: {desc or ''}\n\nParameters: {params}" in block
     assert f"{CALLS_BEGIN}{CALL_BEGIN}tool_call_name{CALL_SEP}tool_call_arguments{CALL_END}" in block
     assert block.endswith("chain them directly without separators or spaces")
+
+
+# ------------------------------------------------------------------ V3-0324 format and declared names
+V3 = {"tool_format": "deepseek_v3"}
+
+
+def _v3_call(name: str, args: str, sep: str = "\n") -> str:
+    return f"{CALL_BEGIN}function{CALL_SEP}{name}\n```json\n{args}{sep}```{CALL_END}"
+
+
+def test_v3_0324_tool_calls():
+    a1, a2 = '{"city": "Paris"}', '{"expr": "```not the end``` \\n x"}'
+    text = f"Let me check.{CALLS_BEGIN}{_v3_call('get_weather', a1)}\n{_v3_call('calc', a2)}{CALLS_END}"
+    _check_all_splits(text, ("", "Let me check.", [("get_weather", a1), ("calc", a2)], False),
+                      thinking=False, tools=True, **V3)
+    # The chat template's own rendering of a past call parses back to the same call.
+    _check_all_splits(f"{CALLS_BEGIN}{_v3_call('f', '{}', sep=chr(10))}{CALLS_END}",
+                      ("", "", [("f", "{}")], False), thinking=False, tools={"f"}, **V3)
+
+
+def test_v3_without_fence_and_cut_off():
+    text = f"{CALLS_BEGIN}{CALL_BEGIN}function{CALL_SEP}f\n{{\"x\": 1}}{CALL_END}{CALLS_END}"
+    _check_all_splits(text, ("", "", [("f", '{"x": 1}')], False), thinking=False, tools=True, **V3)
+    cut = f"{CALLS_BEGIN}{CALL_BEGIN}function{CALL_SEP}f\n```json\n{{\"x\""
+    _check_all_splits(cut, ("", "", [("f", '{"x"')], False), thinking=False, tools=True, **V3)
+
+
+def test_v31_text_under_the_v3_parser_is_not_a_call_named_function():
+    # The bug of 2026-12-04 the other way round: a V3 call read by the V3.1 parser was named "function".
+    text = f"{CALLS_BEGIN}{_v3_call('get_weather', '{}')}{CALLS_END}"
+    _, _, calls, _ = _run([text], thinking=False, tools={"get_weather"})
+    assert calls == []  # "function" is no declared tool: the text is content, not a call
+    _, _, calls, _ = _run([text], thinking=False, tools={"get_weather"}, **V3)
+    assert calls == [("get_weather", "{}")]
+
+
+@pytest.mark.parametrize("fmt", ["deepseek_v31", "deepseek_v3"])
+def test_undeclared_tool_name_comes_back_as_content(fmt):
+    def call(name, args):
+        v31 = f"{CALL_BEGIN}{name}{CALL_SEP}{args}{CALL_END}"
+        return _v3_call(name, args) if fmt == "deepseek_v3" else v31
+
+    bad = call("rm_rf", '{"path": "/"}')
+    text = f"ok{CALLS_BEGIN}{call('get_weather', '{}')}{bad}{CALLS_END}"
+    _check_all_splits(text, ("", "ok" + bad, [("get_weather", "{}")], False), thinking=False,
+                      tools={"get_weather"}, tool_format=fmt)
+
+
+def test_detect_tool_format_and_v3_description():
+    from dsv3_jax.serve.parsers import detect_tool_format
+    from dsv3_jax.text.tokenizer import Tokenizer
+
+    assert detect_tool_format(Tokenizer.default().chat_template) == "deepseek_v31"
+    assert detect_tool_format("{{ '<｜tool▁sep｜>' + name + '\\n' + '```json' }}") == "deepseek_v3"
+    assert detect_tool_format(None) == "deepseek_v31"
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    block = tool_description(tools, "deepseek_v3")
+    want = f"{CALL_BEGIN}function{CALL_SEP}tool_call_name\n```json\ntool_call_arguments\n```{CALL_END}"
+    assert want in block
