@@ -246,14 +246,16 @@ DEFAULT_MEMORY_FRACTION = 0.90  # like vLLM's --gpu-memory-utilization: weights 
 
 
 def activation_estimate(cfg: ModelConfig, sizes: Mapping[str, int], *, max_batched_tokens: int,
-                        max_batch: int, max_model_len: int) -> int:
+                        max_batch: int, max_model_len: int, attention_kernel: bool = False) -> int:
     """Peak transient bytes of one engine step on one device (fp32 intermediates), an upper estimate.
 
     Terms, per device (tokens and sequences are split over the batch shards, heads / vocab / FFN over
     `tensor`): the residual stream and its per-layer intermediates (16 x D per token), the absorbed
     attention's queries and scores (heads x (576 + max_model_len) per token: XLA materializes the
-    scores), the MoE's gathered group tokens (expert x D per token) and expert intermediates
-    (k x 3 x FFN width), and the sampled rows' logits (3 copies of V: logits, probabilities, sort).
+    scores; with `attention_kernel`, the Pallas MLA kernel, which never does, heads x (576 + 512): the
+    queries and the latent output), the MoE's gathered group tokens (expert x D per token) and expert
+    intermediates (k x 3 x FFN width), and the sampled rows' logits (3 copies of V: logits,
+    probabilities, sort).
     An engine that measured its compiled step passes the measured bytes to `pool_plan` instead.
     """
     shards = sharding.mesh_size(sharding.LOGICAL_RULES["batch"], sizes)
@@ -261,7 +263,8 @@ def activation_estimate(cfg: ModelConfig, sizes: Mapping[str, int], *, max_batch
     tok = -(-max_batched_tokens // shards)
     rows = -(-max_batch // shards)
     heads = cfg.num_attention_heads // t
-    per_token = (16 * cfg.hidden_size + heads * (cfg.latent_dim + max_model_len)
+    scores = cfg.kv_lora_rank if attention_kernel else max_model_len
+    per_token = (16 * cfg.hidden_size + heads * (cfg.latent_dim + scores)
                  + ep * cfg.hidden_size + cfg.num_experts_per_tok * 3 * cfg.moe_intermediate_size // t)
     return 4 * (tok * per_token + rows * 3 * cfg.vocab_size // t)
 
@@ -332,11 +335,13 @@ def pool_plan(cfg: ModelConfig, mesh: str | Mapping[str, int] | Any, *, dtype: s
               memory_fraction: float = DEFAULT_MEMORY_FRACTION, page_size: int | None = None,
               form: str = "absorbed", cache_dtype: Any = None, mtp: bool = False,
               max_batched_tokens: int = 512, max_batch: int = 32, activation_bytes: int | None = None,
-              params_or_shapes: Any = None, include_mtp: bool = True) -> PoolPlan:
+              params_or_shapes: Any = None, include_mtp: bool = True,
+              attention_kernel: bool = False) -> PoolPlan:
     """Size the engine's page pool: what `memory_fraction` of each device leaves after the weights and
     one step's activations, in whole pages (layout.cache_layout, sharded by its logical axes: each batch
     shard's devices hold only that shard's slice). Raises PlanError, with the numbers, when
-    not even one `max_model_len`-token request fits a shard's slice.
+    not even one `max_model_len`-token request fits a shard's slice. `attention_kernel`: the step runs
+    the Pallas MLA kernel (no score matrix; see activation_estimate).
     """
     from dsv3_jax.model import kv_cache
 
@@ -356,7 +361,8 @@ def pool_plan(cfg: ModelConfig, mesh: str | Mapping[str, int] | Any, *, dtype: s
     page_bytes = cache_bytes_per_device(two_pages_each, sizes) // 2
     measured = activation_bytes is not None
     act = int(activation_bytes) if measured else activation_estimate(
-        cfg, sizes, max_batched_tokens=max_batched_tokens, max_batch=max_batch, max_model_len=max_model_len)
+        cfg, sizes, max_batched_tokens=max_batched_tokens, max_batch=max_batch, max_model_len=max_model_len,
+        attention_kernel=attention_kernel)
     budget = int(memory_fraction * weights.device_memory) - weights.weight_bytes_per_device - act
     pages = max(budget, 0) // page_bytes
     p = PoolPlan(mesh=sizes, page_size=page_size, max_model_len=max_model_len,
@@ -383,7 +389,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--config", default="deepseek-v3", help="preset name or config.json / checkpoint dir")
     ap.add_argument("--mesh", required=True, help="e.g. 'expert=8' or 'data=2,tensor=2,expert=2'")
     ap.add_argument("--dtype", default="bf16", help="weights: bf16 (bfloat16), fp8 (float8_e4m3fn) or fp32")
-    ap.add_argument("--max-seq-len", type=int, default=131072)
+    ap.add_argument("--max-seq-len", "--max-model-len", type=int, default=131072, dest="max_seq_len",
+                    help="longest request (prompt + output)")
     ap.add_argument("--device-memory", default="141GB", help="per device, e.g. 141GB or 80GiB")
     ap.add_argument("--reserve", type=float, default=DEFAULT_RESERVE_FRACTION,
                     help="kept free for activations/workspace: a fraction (<1) or bytes")
@@ -398,6 +405,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, OSError) as e:  # ConfigError, MeshError, UsageError, a missing config file
         return report_error("plan", e)
     print(p.summary())
+    # What the serving engine would hold (flags.engine_plan's sizing, the Pallas attention of a Hopper GPU):
+    # the concurrent full-length requests it runs before preempting.
+    try:
+        longest = min(a.max_seq_len, cfg.max_position_embeddings)
+        pool = pool_plan(cfg, mesh, dtype=dtype, max_model_len=longest, device_memory=a.device_memory,
+                         max_batched_tokens=2048, max_batch=256,
+                         include_mtp=not a.no_mtp, attention_kernel=True)
+        print(f"\nengine pool (memory fraction {DEFAULT_MEMORY_FRACTION:g}, Pallas attention):\n"
+              + pool.summary())
+    except PlanError as e:
+        print(f"\nengine pool: {str(e).splitlines()[0]}")
     return 0 if p.fits else 1
 
 

@@ -130,3 +130,39 @@ def test_capped_chunks_give_the_same_tokens_through_the_engine():
         steps[cap] = eng.stats["steps"]
     assert out[600] == out[0]
     assert steps[600] > steps[0]
+
+
+def test_the_plans_concurrency_is_what_the_engine_runs_before_preempting():
+    """pool_plan's `max_requests` full-length requests run at once without preemption; one more request
+    (admitted while short, growing to full length) makes the engine preempt: the number is exact."""
+    import jax.numpy as jnp
+
+    from dsv3_jax import plan
+    from dsv3_jax.api import ModelHandle
+    from dsv3_jax.engine.core import Engine, EngineConfig
+    from dsv3_jax.model import layout
+    from tests.test_engine import CFG, _mtp_friendly_params
+
+    handle = ModelHandle(CFG, _mtp_friendly_params(CFG, 1, 4.0))
+    one = {"data": 1, "tensor": 1, "expert": 1}
+    ps, length, prompt = 8, 48, 16
+    w = plan.plan(CFG, one, dtype="fp32", device_memory="1GB", reserve=0, params_or_shapes=handle.params)
+    page_b = layout.bytes_per_token(CFG, "absorbed", jnp.dtype(CFG.dtype)) * ps
+    mem = w.weight_bytes_per_device + (1 + 3 * 6 + 5) * page_b  # scratch + 3 requests of 6 pages + 5 spare
+    p = plan.pool_plan(CFG, one, dtype="fp32", max_model_len=length, device_memory=mem, memory_fraction=1.0,
+                       page_size=ps, activation_bytes=0, cache_dtype=CFG.dtype,
+                       params_or_shapes=handle.params)
+    assert p.max_requests == 3 and p.pages_per_request == 6
+    rng = np.random.default_rng(0)
+    eng = Engine(handle, EngineConfig(num_pages=p.num_pages, page_size=ps, max_batch=4, max_batched_tokens=64,
+                                      chunk_size=64, row_buckets=(4,)))
+    for n in (p.max_requests, p.max_requests + 1):
+        before, steps0 = eng.stats["preemptions"], eng.stats["steps"]
+        done = eng.generate([rng.integers(2, 256, prompt).tolist() for _ in range(n)],
+                            max_new_tokens=length - prompt)
+        assert all(len(r.output) == length - prompt for r in done)
+        rows = list(eng.stats["batch_sizes"])[steps0:]
+        if n == p.max_requests:
+            assert eng.stats["preemptions"] == before and max(rows) == n
+        else:
+            assert eng.stats["preemptions"] > before
