@@ -1,11 +1,15 @@
 """The HTTP side: FastAPI routes of the OpenAI-compatible API over one EngineRunner.
 
-Owns the HTTP concerns only: reading and validating request bodies (errors reshaped to OpenAI's
-`{"error": {...}}` with the offending field, never a traceback), building prompts (chat template with
-per-request thinking, the V3.1 tool block), wire conventions of parameters (top_k -1, a random seed per
-request, n choices), reasoning and tool-call parsing of the streamed text (parsers.py), wire logprobs and
-finish reasons, usage, SSE streaming, cancelling on client disconnect, HTTP status codes (`_failure`, the
-one mapping), and the HTTP-side metrics (requests, tokens, TTFT, ITL).
+Owns the HTTP concerns only: access (`--api-key` on every /v1 route, 401 in OpenAI's shape; CORS; the
+body limit, 413), reading and validating request bodies (errors reshaped to OpenAI's `{"error": {...}}`
+with the offending field, never a traceback), building prompts (chat template with per-request thinking,
+the V3.1 / V3 tool block), the served names and `--max-model-len` (what /v1/models reports and what a
+request may span), wire conventions of parameters (top_k -1, a seed per request, n choices), reasoning
+and tool-call parsing of the streamed text (parsers.py), wire logprobs and finish reasons, usage, SSE
+streaming, cancelling on client disconnect, HTTP status codes (`_failure`, the one mapping), the
+HTTP-side metrics (requests by status, tokens, TTFT, ITL) and the one-line request log.
+No stalls: tokenizing, chat rendering, body parsing and echo detokenizing run in a small thread pool
+(`Service.run`), never on the event loop, so a 5 MB body does not hold up other streams.
 Resolving and checking a request's parameters, detokenizing, stop strings and finish reasons are the
 request layer's (request_stream.py; its streams run on runner.py's engine thread, which says why).
 Must not call the Engine directly (runner.py's thread does) nor define wire shapes (protocol.py).
@@ -14,15 +18,19 @@ Must not call the Engine directly (runner.py's thread does) nor define wire shap
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import hmac
 import json
 import logging
 import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import jinja2
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -32,25 +40,46 @@ from dsv3_jax.engine.api import FinishReason, TokenLogprob
 from dsv3_jax.request_stream import Delta, RequestInvalid, RequestParams, RequestStream
 from dsv3_jax.serve import protocol as P
 from dsv3_jax.serve.metrics import CONTENT_TYPE, Metrics
-from dsv3_jax.serve.parsers import ChatOutputParser, tool_description
+from dsv3_jax.serve.parsers import ChatOutputParser, detect_tool_format, tool_description
 from dsv3_jax.serve.runner import EngineDown, EngineRunner, Overloaded, Submission
 from dsv3_jax.text.chat import encode_chat
 
 log = logging.getLogger(__name__)
+request_log = logging.getLogger("dsv3_jax.serve.requests")  # one line per finished request
 
 _SEED_MOD = 2**31  # the engine keeps seeds as int32
 _DISCONNECT_POLL_S = 0.25  # how often a non-streaming handler checks that its client is still there
 _TYPE_TAGS = ("str", "int", "float", "bool", "list", "dict", "none", "literal")  # pydantic union branch names
+_HOST_THREADS = 2  # tokenizing / rendering off the event loop (the tokenizer releases the GIL)
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerOptions:
+    """What the server flags decide beyond the engine (see __main__.py for each flag)."""
+
+    model_names: tuple[str, ...] = ("dsv3-default",)  # the first names the model in responses
+    api_keys: tuple[str, ...] = ()  # empty: no authentication
+    allowed_origins: tuple[str, ...] = ()  # CORS; empty: no CORS headers
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+    max_body_bytes: int = 32 << 20
+    max_model_len: int | None = None  # caps prompt + output of every request
+    seed: int | None = None  # seeds the per-request seeds of requests that give none
+    log_requests: bool = True
+    tool_format: str | None = None  # deepseek_v31 | deepseek_v3; None: from the chat template
+    reasoning_parser: str = "deepseek_v3"  # deepseek_v3 (per request) | deepseek_r1 (always) | none
 
 
 class _Choice:
     """One generated sequence of an HTTP request as the wire sees it: the request layer's deltas (from the
     engine thread) parsed for chat (reasoning, tool calls), wire logprob entries, the OpenAI finish reason."""
 
-    def __init__(self, svc: Service, sub: Submission, *, chat: bool, thinking: bool, tools: bool,
+    def __init__(self, svc: Service, sub: Submission, *, chat: bool, thinking: bool, tools: Any,
                  num_logprobs: int | None):
         self.svc, self.sub = svc, sub
-        self.chat = ChatOutputParser(thinking=thinking, tools=tools) if chat else None
+        self.chat = ChatOutputParser(thinking=svc.reasoning(thinking), tools=tools,
+                                     tool_format=svc.tool_format) if chat else None
         self.num_logprobs = num_logprobs
         self.token_ids: list[int] = []
         self.logprobs: list[tuple[str, float, list[tuple[str, float]]]] = []
@@ -59,6 +88,7 @@ class _Choice:
         self.failed = self.rejected = False
         self.cached_tokens = 0
         self.error: str | None = None
+        self.first_token_at: float | None = None
         self.last_token_at: float | None = None
 
     def apply(self, d: Delta, arrival: float) -> tuple[Any, list]:
@@ -68,6 +98,7 @@ class _Choice:
             m = self.svc.metrics
             if self.last_token_at is None:
                 m.ttft.observe(now - arrival)
+                self.first_token_at = now
             else:
                 for _ in d.token_ids:
                     m.itl.observe((now - self.last_token_at) / len(d.token_ids))
@@ -106,15 +137,46 @@ class _Choice:
 class Service:
     """Everything the routes share: the handle's tokenizer and defaults, the runner, metrics."""
 
-    def __init__(self, handle: Any, runner: EngineRunner, metrics: Metrics, model_name: str):
+    def __init__(self, handle: Any, runner: EngineRunner, metrics: Metrics, model_name: str, *,
+                 options: ServerOptions | None = None):
         if handle.tokenizer is None:
             raise ValueError("the server needs a checkpoint with tokenizer.json")
-        self.handle, self.runner, self.metrics, self.model_name = handle, runner, metrics, model_name
+        opts = options if options is not None else ServerOptions(model_names=(model_name,))
+        if model_name != opts.model_names[0]:
+            opts = dataclasses.replace(opts, model_names=(model_name, *opts.model_names))
+        self.handle, self.runner, self.metrics, self.options = handle, runner, metrics, opts
+        self.model_name, self.model_names = model_name, opts.model_names
         self.tokenizer = handle.tokenizer
-        self.context = handle.config.max_position_embeddings
-        self.limits = request_stream.Limits.of(handle.config, runner.config)  # the model's and the pool's
+        limits = request_stream.Limits.of(handle.config, runner.config)  # the model's and the pool's
+        if opts.max_model_len is not None:  # --max-model-len caps every request like a shorter context
+            limits = dataclasses.replace(limits, context=min(limits.context, opts.max_model_len))
+        self.limits = limits
+        self.context = limits.context
+        self.max_model_len = limits.capacity  # what one request may span: what /v1/models reports
+        self.tool_format = opts.tool_format or detect_tool_format(self.tokenizer.chat_template)
         self.created = P.now()
         self._token_text: dict[int, str] = {}
+        self._seeds = random.Random(opts.seed)
+        self._pool = ThreadPoolExecutor(_HOST_THREADS, thread_name_prefix="dsv3-host")
+
+    async def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """`fn(*args, **kwargs)` on the host thread pool (tokenizing, rendering, parsing): the event loop
+        keeps serving other streams meanwhile."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, lambda: fn(*args, **kwargs))
+
+    def warm_host(self) -> None:
+        """Render and encode one chat before the port opens (the template compiles on first use)."""
+        try:
+            self.tokenizer.encode("warm up")
+            if self.tokenizer.chat_template:
+                encode_chat(self.tokenizer, [{"role": "user", "content": "hi"}], add_generation_prompt=True)
+        except (ValueError, TypeError, jinja2.TemplateError) as e:
+            log.warning("chat template failed on a plain message (%s); chat requests will get a 400", e)
+
+    def reasoning(self, thinking: bool) -> bool:
+        """Whether the output starts as reasoning under --reasoning-parser."""
+        return {"deepseek_v3": thinking, "deepseek_r1": True, "none": False}[self.options.reasoning_parser]
 
     def token_text(self, token_id: int) -> str:
         t = self._token_text.get(token_id)
@@ -124,9 +186,14 @@ class Service:
 
     # ------------------------------------------------------------------ request -> engine parameters
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        if model is not None and model not in self.model_names:
             raise P.RequestError(f"the model {model!r} does not exist (this server serves "
-                                 f"{self.model_name!r})", "model", status=404, code="model_not_found")
+                                 f"{', '.join(map(repr, self.model_names))})", "model", status=404,
+                                 code="model_not_found")
+
+    def model_card(self, name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "dsv3-jax",
+                "root": self.model_name, "parent": None, "max_model_len": self.max_model_len}
 
     def chat_prompt(self, req: P.ChatCompletionRequest) -> list[int]:
         messages = [m.template_dict() for m in req.messages]
@@ -136,14 +203,15 @@ class Service:
         if tools and "tools" in template:
             kwargs["tools"] = [t.model_dump(exclude_none=True) for t in tools]
         elif tools:  # V3.1's template ignores `tools`: the model card puts them into the system prompt
-            messages.append({"role": "system", "content": tool_description([t.model_dump() for t in tools])})
+            block = tool_description([t.model_dump() for t in tools], self.tool_format)
+            messages.append({"role": "system", "content": block})
         try:
             return encode_chat(self.tokenizer, messages, add_generation_prompt=True, **kwargs)
         except (ValueError, TypeError, jinja2.TemplateError) as e:
             raise P.RequestError(f"chat template: {e}", "messages") from e
 
-    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
-        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    def encode_prompts(self, prompts: list[str | list[int]]) -> list[list[int]]:
+        return [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
 
     def params(self, req: P._SamplingRequest, prompt: list[int], first_index: int,
                prompt_param: str) -> list[RequestParams]:
@@ -152,7 +220,7 @@ class Service:
         the request's field when the prompt cannot run."""
         room = self.limits.room(len(prompt))
         requested = req.token_limit
-        seed = req.seed if req.seed is not None else random.randrange(_SEED_MOD)
+        seed = req.seed if req.seed is not None else self._seeds.randrange(_SEED_MOD)
         out = []
         for i in range(first_index, first_index + req.n):
             p = request_stream.resolve(
@@ -172,14 +240,32 @@ class Service:
                  prompt_param: str) -> P.RequestError:
         """The check's verdict in the wire's words and field names."""
         n, cap = len(prompt), self.limits.capacity
+        why = (f"this model's maximum context length is {cap} tokens ({self._cap_reason()})")
         if e.field == "max_new_tokens":
             return P.RequestError(f"prompt ({n} tokens) + max_tokens ({p.max_new_tokens}) exceeds what the "
-                                  f"server fits ({room + n} tokens)", "max_tokens")
+                                  f"server fits ({room + n} tokens): {why}", "max_tokens")
         if e.field == "prompt" and n and room < 1:
-            return P.RequestError(f"the prompt has {n} tokens; the server fits at most {room + n - 1} "
-                                  f"(context {self.context}, page pool {self.limits.pool_tokens} tokens, "
-                                  f"at most {cap} per request)", prompt_param)
+            return P.RequestError(f"the prompt has {n} tokens; the server fits at most {room + n - 1}: "
+                                  f"{why}", prompt_param)
         return P.RequestError(str(e), {"prompt": prompt_param}.get(e.field, e.field))
+
+    def _cap_reason(self) -> str:
+        lim, mml = self.limits, self.options.max_model_len
+        parts = [f"context {self.handle.config.max_position_embeddings}"]
+        if mml is not None:
+            parts.append(f"--max-model-len {mml}")
+        if lim.pool_tokens is not None:
+            parts.append(f"page pool {lim.pool_tokens}")
+        if lim.spec_k:
+            parts.append(f"{lim.spec_k} draft tokens reserved")
+        return ", ".join(parts)
+
+    def check_choices(self, count: int, param: str) -> None:
+        """A request of more choices than the admission bound could never be admitted: 400, not 429."""
+        bound = self.runner.max_pending
+        if count > bound:
+            raise P.RequestError(f"this request asks for {count} sequences; the server admits at most "
+                                 f"{bound} at once (--max-pending)", param)
 
     def submit_all(self, prompts: list[list[int]], params: list[RequestParams], *,
                    skip_special_tokens: bool = True) -> list[Submission]:
@@ -206,7 +292,25 @@ class Service:
 
 
 async def _body(request: Request, model: type[P._Strict]) -> Any:
-    raw = await request.body()
+    """The body, read up to the limit (a chunked body has no Content-Length for the middleware to check),
+    parsed and validated on the host pool."""
+    svc: Service = request.app.state.svc
+    limit, chunks, size = svc.options.max_body_bytes, [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise P.RequestError(_too_large(size, limit, more=True), None, status=413,
+                                 code="request_too_large")
+        chunks.append(chunk)
+    return await svc.run(_parse, b"".join(chunks), model)
+
+
+def _too_large(size: int, limit: int, more: bool = False) -> str:
+    return (f"request body of {size}{'+' if more else ''} bytes exceeds the server's limit of {limit} bytes "
+            f"(--max-request-body-bytes)")
+
+
+def _parse(raw: bytes, model: type[P._Strict]) -> Any:
     try:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -257,9 +361,68 @@ def _short(value: Any) -> str:
 # --------------------------------------------------------------------------------------------- the app
 
 
+_ROUTES = ("/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions")
+
+
+class _Gate:
+    """ASGI middleware in front of the routes: counts every HTTP answer by route and status (4xx/5xx
+    included), refuses a body whose Content-Length exceeds the limit (413) and, with API keys, every /v1
+    route without `Authorization: Bearer KEY` (401). /health and /metrics stay open (as in vLLM); CORS
+    preflights are answered by the CORS middleware outside this one."""
+
+    def __init__(self, app: Any, svc: Service):
+        self.app, self.svc = app, svc
+        self.keys = [k.encode() for k in svc.options.api_keys]
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        handler = path if path in _ROUTES else ("/v1/models/{model}" if path.startswith("/v1/models/")
+                                                else "other")
+        status = [500]
+
+        async def counted_send(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            refusal = self._refusal(scope, path)
+            if refusal is not None:
+                await refusal(scope, receive, counted_send)
+            else:
+                await self.app(scope, receive, counted_send)
+        finally:
+            self.svc.metrics.http.labels(handler, scope["method"], str(status[0])).inc()
+
+    def _refusal(self, scope: dict, path: str) -> Response | None:
+        headers = dict(scope["headers"])
+        if self.keys and (path == "/v1" or path.startswith("/v1/")) and scope["method"] != "OPTIONS":
+            auth = headers.get(b"authorization", b"")
+            token = auth[7:].strip() if auth[:7].lower() == b"bearer " else b""
+            if not any(hmac.compare_digest(token, k) for k in self.keys):  # constant time
+                msg = ("missing API key: send it as 'Authorization: Bearer KEY'" if not auth else
+                       "incorrect API key provided")
+                return JSONResponse(P.error_body(msg, "invalid_request_error", None, "invalid_api_key"), 401,
+                                    headers={"WWW-Authenticate": "Bearer"})
+        length = headers.get(b"content-length")
+        limit = self.svc.options.max_body_bytes
+        if length is not None and length.isdigit() and int(length) > limit:
+            return JSONResponse(P.error_body(_too_large(int(length), limit), "invalid_request_error", None,
+                                             "request_too_large"), 413, headers={"Connection": "close"})
+        return None
+
+
 def create_app(svc: Service) -> FastAPI:
     app = FastAPI(title="dsv3-jax", docs_url=None, redoc_url=None)
     app.state.svc = svc
+    opts = svc.options
+    app.add_middleware(_Gate, svc=svc)
+    if opts.allowed_origins:  # outermost: a preflight is answered before the key check
+        app.add_middleware(CORSMiddleware, allow_origins=list(opts.allowed_origins),
+                           allow_methods=list(opts.allowed_methods), allow_headers=list(opts.allowed_headers),
+                           allow_credentials=opts.allow_credentials)
 
     @app.exception_handler(P.RequestError)
     async def _request_error(_: Request, e: P.RequestError) -> JSONResponse:
@@ -287,18 +450,23 @@ def create_app(svc: Service) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": svc.model_name, "object": "model", "created": svc.created,
-                                            "owned_by": "dsv3-jax", "max_model_len": svc.context}]}
+        return {"object": "list", "data": [svc.model_card(name) for name in svc.model_names]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> dict[str, Any]:
+        svc.check_model(model)
+        return svc.model_card(model)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         arrival = time.perf_counter()
         req: P.ChatCompletionRequest = await _body(request, P.ChatCompletionRequest)
         svc.check_model(req.model)
-        prompt = svc.chat_prompt(req)
+        svc.check_choices(req.n, "n")
+        prompt = await svc.run(svc.chat_prompt, req)
         params = svc.params(req, prompt, 0, "messages")
         subs = svc.submit_all([prompt] * req.n, params)
-        tools = bool(req.tools) and req.tool_choice != "none"
+        tools = ({t.function.name for t in req.tools} if req.tools and req.tool_choice != "none" else False)
         choices = [_Choice(svc, s, chat=True, thinking=req.thinking, tools=tools,
                            num_logprobs=req.num_logprobs) for s in subs]
         ctx = _Ctx(svc, "chat", P.new_id("chatcmpl"), [len(prompt)], [prompt], arrival, req)
@@ -311,7 +479,12 @@ def create_app(svc: Service) -> FastAPI:
         arrival = time.perf_counter()
         req: P.CompletionRequest = await _body(request, P.CompletionRequest)
         svc.check_model(req.model)
-        prompts = [svc.encode_prompt(p) for p in req.prompts()]
+        texts = req.prompts()
+        if not texts:
+            raise P.RequestError("prompt is empty: give a string, a list of token ids, or a non-empty list "
+                                 "of either", "prompt")
+        svc.check_choices(len(texts) * req.n, "n" if len(texts) == 1 else "prompt")
+        prompts = await svc.run(svc.encode_prompts, texts)
         params = [q for j, p in enumerate(prompts) for q in svc.params(req, p, j * req.n, "prompt")]
         flat = [p for p in prompts for _ in range(req.n)]
         subs = svc.submit_all(flat, params)
@@ -319,8 +492,9 @@ def create_app(svc: Service) -> FastAPI:
                    for s in subs]
         ctx = _Ctx(svc, "completions", P.new_id("cmpl"), [len(p) for p in prompts], prompts, arrival, req)
         if req.echo:
-            for c, p in zip(choices, flat):
-                c.text = svc.tokenizer.decode(p, skip_special_tokens=True)
+            echoed = await svc.run(lambda: [svc.tokenizer.decode(p, skip_special_tokens=True) for p in flat])
+            for c, text in zip(choices, echoed):
+                c.text = text
         if req.stream:
             return _sse(_completion_stream(ctx, choices))
         return await _complete(request, ctx, choices, _completion_response)
@@ -345,12 +519,31 @@ class _Ctx:
         return P.usage(sum(self.prompt_lens), sum(len(c.token_ids) for c in choices), cached)
 
     def record(self, choices: list[_Choice], outcome: str) -> None:
+        """Metrics and the request log line for a finished HTTP request (`outcome` ok | error |
+        cancelled); each choice counts as one vLLM request."""
         m = self.svc.metrics
-        m.requests.labels(self.endpoint, outcome).inc()
-        m.prompt_tokens.inc(sum(self.prompt_lens))
-        m.cached_tokens.inc(sum(c.cached_tokens for c in choices[:: self.req.n]))
-        m.generation_tokens.inc(sum(len(c.token_ids) for c in choices))
-        m.e2e.observe(time.perf_counter() - self.arrival)
+        now = time.perf_counter()
+        prompt, cached = sum(self.prompt_lens), sum(c.cached_tokens for c in choices[:: self.req.n])
+        generated = sum(len(c.token_ids) for c in choices)
+        m.prompt_tokens.inc(prompt)
+        m.prefix_queries.inc(prompt)
+        m.prefix_hits.inc(cached)
+        m.generation_tokens.inc(generated)
+        for i, c in enumerate(choices):
+            reason = {"stop": "stop", "tool_calls": "stop", "length": "length"}.get(c.finish_reason, "abort")
+            reason = "error" if c.failed else reason  # vLLM's reasons are stop | length | abort
+            m.request_finished(reason)
+            m.e2e.observe(now - self.arrival)
+            m.request_prompt_tokens.observe(self.prompt_lens[i // self.req.n])
+            m.request_generation_tokens.observe(len(c.token_ids))
+            if c.first_token_at is not None and c.last_token_at is not None and len(c.token_ids) > 1:
+                m.tpot.observe((c.last_token_at - c.first_token_at) / (len(c.token_ids) - 1))
+        if self.svc.options.log_requests:
+            ttft = min((c.first_token_at for c in choices if c.first_token_at is not None), default=None)
+            request_log.info("%s %s %s: %d choice(s), prompt %d tokens (%d cached), %d generated, ttft %s, "
+                             "total %.3f s, finish %s", self.id, self.endpoint, outcome, len(choices), prompt,
+                             cached, generated, "-" if ttft is None else f"{ttft - self.arrival:.3f} s",
+                             now - self.arrival, ",".join(sorted({str(c.finish_reason) for c in choices})))
 
 
 async def _events(ctx: _Ctx, choices: list[_Choice]) -> AsyncIterator[tuple[int, Any, list]]:
@@ -380,8 +573,12 @@ def _failure(choices: list[_Choice]) -> tuple[int, dict[str, Any]] | None:
     bad = next((c for c in choices if c.failed), None)
     if bad is None:
         return None
-    status, kind = (400, "invalid_request_error") if bad.rejected else (500, "server_error")
-    return status, P.error_body(bad.error or "generation failed", kind)
+    if bad.rejected:
+        return 400, P.error_body(bad.error or "request refused", "invalid_request_error")
+    if bad.svc.runner.stopping:  # the server is shutting down (drain timeout, or a second signal)
+        return 503, P.error_body(bad.error or "server shutting down", "server_error", None,
+                                 "server_shutting_down")
+    return 500, P.error_body(bad.error or "generation failed", "server_error")
 
 
 async def _complete(request: Request, ctx: _Ctx, choices: list[_Choice], build) -> Response:

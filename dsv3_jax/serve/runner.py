@@ -4,8 +4,10 @@ Owns: the only thread that calls the Engine (engine/api.py: an engine is single-
 queue from the HTTP handlers (add / cancel / stop), each request's stream state (a
 request_stream.RequestStream, fed that request's engine events here), the per-request asyncio queues
 back to the handlers (filled with `loop.call_soon_threadsafe`), the admission bound (429 instead of an
-unbounded backlog), engine failures turned into per-request errors, and the engine-side gauges (batch,
-pages, prefix hits, MTP). Must not know HTTP or JSON, nor parse the model's text (app.py, parsers.py).
+unbounded backlog), stopping (`abort`: every request in flight gets its final error delta at once),
+engine failures turned into per-request errors, and the engine-side metrics (running / waiting / KV
+usage read at scrape time, batch, compiles, preemptions, queue time, MTP drafts). Must not know HTTP or
+JSON, nor parse the model's text (app.py, parsers.py).
 
 Why the stream state lives on this thread and not on the event loop: a stop string must cancel the
 request in the engine, and only this thread may call the engine. Fed here, a hit cancels before the
@@ -58,6 +60,7 @@ class Submission:
     tag: int = 0  # lets several submissions share one queue (the n choices of one HTTP request)
     rid: int | None = None
     submitted_at: float = dataclasses.field(default_factory=time.perf_counter)
+    admitted: bool = False  # the engine has scheduled it (its queue time is recorded)
 
     def _put(self, delta: Delta) -> None:
         try:
@@ -81,16 +84,31 @@ class EngineRunner:
         self._thread = threading.Thread(target=self._loop, name="dsv3-engine", daemon=True)
         self._last_stats = 0.0
         self._prev_steps = self._prev_batch_total = 0.0
+        self._prev_counts = {"preemptions": 0, "spec_proposed": 0, "spec_accepted": 0}
         self.steps = 0
         self.error: str | None = None
+        self.stopping = False  # abort() was called: requests failing now are the server's shutdown
+        if metrics is not None:
+            metrics.bind_engine(lambda: len(self.engine.running), lambda: len(self.engine.waiting),
+                                lambda: self.engine.pool.num_used / max(self.engine.pool.num_pages - 1, 1))
 
     # ---------------------------------------------------------------- any thread
     def start(self) -> None:
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
+        self.abort()
+        self.join(timeout)
+
+    def abort(self) -> None:
+        """Stop without waiting: every request in flight (and every one submitted later) gets its final
+        delta, ERROR "server shutting down", once the current step returns."""
+        self.stopping = True
         self._cmds.put(("stop", None))
-        self._thread.join(timeout)
+
+    def join(self, timeout: float | None = None) -> None:
+        if self._thread.is_alive():
+            self._thread.join(timeout)
 
     @property
     def alive(self) -> bool:
@@ -140,6 +158,8 @@ class EngineRunner:
     def _serve(self) -> None:
         while True:
             idle = not self.engine.has_work()
+            if idle:
+                self._update_gauges(idle=True)
             try:
                 cmds = [self._cmds.get(block=idle, timeout=None if idle else 0)]
             except queue.Empty:
@@ -186,6 +206,8 @@ class EngineRunner:
             self.engine = self._new_engine(self.handle, self.config)
             return
         self.steps += 1
+        if self.metrics is not None:
+            self._admissions()
         for ev in events:
             sub = self._subs.get(ev.rid)
             if sub is None:
@@ -231,26 +253,48 @@ class EngineRunner:
         while len(fin) > _KEEP_FINISHED:
             del fin[next(iter(fin))]
 
-    def _update_gauges(self) -> None:
+    def _admissions(self) -> None:
+        """Queue time of the requests this step admitted (submission to the step that first ran them)."""
+        now = time.perf_counter()
+        for r in self.engine.running:
+            sub = self._subs.get(r.rid)
+            if sub is not None and not sub.admitted:
+                sub.admitted = True
+                self.metrics.queue_time.observe(now - sub.submitted_at)
+
+    def _update_gauges(self, idle: bool = False) -> None:
+        """The engine's counters into the metrics, at most every _STATS_EVERY_S while busy and once when
+        the engine goes idle (running / waiting / KV usage are read at scrape time: metrics.bind_engine)."""
         m = self.metrics
         if m is None:
             return
         now = time.perf_counter()
-        m.running.set(len(self.engine.running))
-        m.waiting.set(len(self.engine.waiting))
-        pool = self.engine.pool
-        m.page_usage.set(pool.num_used / max(pool.num_pages - 1, 1))
-        if now - self._last_stats < _STATS_EVERY_S:
-            return
-        self._last_stats = now
+        if not idle:
+            if now - self._last_stats < _STATS_EVERY_S:
+                return
+            self._last_stats = now
         st = self.engine.engine_stats()
         steps, total = float(st["steps"]), float(st["mean_batch"]) * float(st["steps"])
-        if steps > self._prev_steps:  # mean sequences per step since the last refresh
+        if idle:
+            m.batch_size.set(0.0)
+        elif steps > self._prev_steps:  # mean sequences per step since the last refresh
             m.batch_size.set((total - self._prev_batch_total) / (steps - self._prev_steps))
         self._prev_steps, self._prev_batch_total = steps, total
-        m.prefix_hit_rate.set(float(st["prefix_hit_rate"]))
         m.compiles.set(float(st["compiles"]))
+        m.prefill_pending.set(float(st.get("prefill_tokens_pending") or 0))
         m.compiles_after_warmup.set(float(st["compiles_after_warmup"]))
-        acc = st.get("mtp_acceptance")
-        if acc is not None and acc == acc:  # None / NaN: nothing proposed yet
-            m.mtp_acceptance.set(float(acc))
+        raw = getattr(self.engine, "stats", {})
+        counts = {"preemptions": int(st.get("preemptions") or 0),
+                  "spec_proposed": int(raw.get("spec_proposed", 0)),
+                  "spec_accepted": int(raw.get("spec_accepted", 0))}
+        grew = {k: v - self._prev_counts[k] for k, v in counts.items()}
+        if any(v < 0 for v in grew.values()):  # a fresh engine after a failure: its counters start at 0
+            grew = counts
+        self._prev_counts = counts
+        m.preemptions.inc(grew["preemptions"])
+        if m.spec_decode:
+            m.draft_tokens.inc(grew["spec_proposed"])
+            m.accepted_tokens.inc(grew["spec_accepted"])
+            acc = st.get("mtp_acceptance")
+            if acc is not None and acc == acc:  # None / NaN: nothing proposed yet
+                m.mtp_acceptance.set(float(acc))
