@@ -4,7 +4,21 @@ Owns: the cache widths (`LATENT_DIM` 512 + `ROPE_DIM` 64 = `KV_DIM` 576 values p
 `PAGE_SIZE` (64 tokens; `dsv3_jax.model.kv_cache.PAGE_SIZE` must equal it, a test ties the two since kernels
 import nothing from dsv3_jax), the argument checks (`as_4d`, `check_cache_args`, `kernel_shape_error`,
 `check_kernel_args`), `clamp_page_ids` (the rule for ids outside the pool) and `mask_padding_rows`, the
-rule for a chunk's padding rows. The reference keeps the semantics, the kernel modules the kernels; this
+rule for a chunk's padding rows; and the FP8 latent cache format (`quantize_kv`, `dequantize_kv`,
+`fp8_row_bytes`), which the model's cache writes, the reference and the kernels all read.
+
+FP8 cache format (FlashMLA's V3.2 layout): one uint8 row per token, so one page [page_size, row] stays
+one contiguous block (one TMA load per page):
+    bytes [0, L)            the L latent values in float8_e4m3fn, each 128-value block divided by its scale
+    bytes [L, L + 4 nb)     nb = ceil(L / 128) float32 scales (little-endian), latent = e4m3 * scale
+    bytes [L + 4 nb, row)   the R rope values in bfloat16 (the rotary key loses too much in e4m3)
+For DeepSeek-V3 (L 512, R 64): 512 + 16 + 128 = 656 bytes per token per layer vs 1,152 in bf16 (1.76x
+the tokens per byte); 656 is a multiple of 16, as a TMA row stride must be. A block's scale is
+amax / 448 (e4m3's largest finite value), so the largest value maps to 448 exactly and every value
+rounds to e4m3's 3-bit mantissa: relative error <= 2^-4 for scaled magnitudes >= 2^-6 (normals),
+absolute error <= 2^-10 * scale below (subnormals). `pow2_scales=True` rounds each scale up to a power
+of two (UE8M0, DeepSeek V3.1's activation scales): then dequantizing is exact in any float dtype, at up
+to one binade less range. The reference keeps the semantics, the kernel modules the kernels; this
 module imports neither, so nothing imports a private helper across modules.
 """
 
@@ -18,6 +32,65 @@ ROPE_DIM = 64  # the shared rotary key k_rope (qk_rope_head_dim)
 KV_DIM = LATENT_DIM + ROPE_DIM  # values per cached token: c ++ k_rope
 PAGE_SIZE = 64  # tokens per cache page the kernels take: one TMA load of 64 x 576 per pipeline step
 KERNEL_DTYPES = (jnp.bfloat16, jnp.float16)  # wgmma operands
+FP8_BLOCK = 128  # latent values per scale of the FP8 cache
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+SCALE_BYTES = 4  # one float32 scale
+FP8_KV_BYTES = LATENT_DIM + SCALE_BYTES * (LATENT_DIM // FP8_BLOCK) + 2 * ROPE_DIM  # 656: DeepSeek's row
+
+
+def fp8_row_bytes(latent: int, rope: int) -> int:
+    """Bytes of one token's FP8 cache row: latent e4m3 + one fp32 scale per 128 latent values + bf16 rope."""
+    return latent + SCALE_BYTES * -(-latent // FP8_BLOCK) + 2 * rope
+
+
+def fp8_latent_width(row_bytes: int, rope: int) -> int:
+    """The latent width L of an FP8 cache row of `row_bytes` with `rope` rope values (inverse of
+    `fp8_row_bytes`); ValueError when no L gives that row."""
+    lowest = max(row_bytes - 2 * rope - SCALE_BYTES * -(-row_bytes // FP8_BLOCK), 1)
+    for latent in range(lowest, row_bytes + 1):
+        if fp8_row_bytes(latent, rope) == row_bytes:
+            return latent
+    raise ValueError(f"an FP8 cache row of {row_bytes} bytes fits no latent width with {rope} rope values")
+
+
+def quantize_kv(latent: jax.Array, rope: jax.Array, *, pow2_scales: bool = False) -> jax.Array:
+    """latent [..., L] and rope [..., R] (any float dtype) -> the FP8 cache rows [..., fp8_row_bytes] uint8
+    (the format in the module docstring). Scales are computed in fp32; an all-zero block gets scale 1."""
+    lead, lat = latent.shape[:-1], latent.shape[-1]
+    nb = -(-lat // FP8_BLOCK)
+    x = latent.astype(jnp.float32)
+    x = jnp.pad(x, [(0, 0)] * len(lead) + [(0, nb * FP8_BLOCK - lat)]).reshape(*lead, nb, FP8_BLOCK)
+    amax = jnp.max(jnp.abs(x), axis=-1)  # [..., nb]
+    scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+    if pow2_scales:
+        scale = jnp.exp2(jnp.ceil(jnp.log2(scale)))
+    # Clipped: a pow2 scale never needs it, and amax / scale may round to just above 448 (e4m3fn has no inf:
+    # an overflow would be NaN).
+    q = jnp.clip(x / scale[..., None], -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
+    q = jax.lax.bitcast_convert_type(q.reshape(*lead, nb * FP8_BLOCK)[..., :lat], jnp.uint8)
+    s = jax.lax.bitcast_convert_type(scale.astype(jnp.float32), jnp.uint8).reshape(*lead, nb * SCALE_BYTES)
+    r = jax.lax.bitcast_convert_type(rope.astype(jnp.bfloat16), jnp.uint8).reshape(*lead, 2 * rope.shape[-1])
+    return jnp.concatenate([q, s, r], axis=-1)
+
+
+def dequantize_kv(rows: jax.Array, rope: int, dtype=jnp.float32) -> jax.Array:
+    """FP8 cache rows [..., row] uint8 -> [..., L + rope] in `dtype`: latent e4m3 x its block scale (in
+    fp32, then cast), rope bf16 (cast). The inverse of `quantize_kv` up to e4m3 rounding."""
+    lead = rows.shape[:-1]
+    lat = fp8_latent_width(rows.shape[-1], rope)
+    nb = -(-lat // FP8_BLOCK)
+    q = jax.lax.bitcast_convert_type(rows[..., :lat], jnp.float8_e4m3fn).astype(jnp.float32)
+    s = jax.lax.bitcast_convert_type(rows[..., lat:lat + nb * SCALE_BYTES].reshape(*lead, nb, SCALE_BYTES),
+                                     jnp.float32)  # [..., nb]
+    x = jnp.pad(q, [(0, 0)] * len(lead) + [(0, nb * FP8_BLOCK - lat)]).reshape(*lead, nb, FP8_BLOCK)
+    x = (x * s[..., None]).reshape(*lead, nb * FP8_BLOCK)[..., :lat]
+    r = jax.lax.bitcast_convert_type(rows[..., lat + nb * SCALE_BYTES:].reshape(*lead, rope, 2), jnp.bfloat16)
+    return jnp.concatenate([x.astype(dtype), r.astype(dtype)], axis=-1)
+
+
+def is_fp8_cache(kv_pages: jax.Array) -> bool:
+    """Whether `kv_pages` holds FP8 cache rows (uint8) rather than values."""
+    return kv_pages.dtype == jnp.uint8
 
 
 def as_4d(q_latent: jax.Array, q_rope: jax.Array) -> tuple[jax.Array, jax.Array, bool]:

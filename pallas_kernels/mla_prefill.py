@@ -25,7 +25,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.mla_common import as_4d, check_cache_args, check_chunk_query
+from pallas_kernels.mla_common import as_4d, check_cache_args, check_chunk_query, is_fp8_cache
 from pallas_kernels.mla_decode import paged_mla_attention
 from pallas_kernels.mla_reference import mla_prefill_reference
 
@@ -73,11 +73,14 @@ def mla_chunk_attention(
     Arguments as `mla_prefill`. The kernel computes in the cache's dtype (q is cast to it, out comes
     back in it); the reference computes in q_latent's dtype (q_rope and the cache are cast to it, so
     fp32 queries give an fp32 reference). Checking that the kernel can take the shapes is the caller's
-    choice of `use_kernel` (`mla_common.kernel_shape_error`); the kernel raises if it cannot.
+    choice of `use_kernel` (`mla_common.kernel_shape_error`); the kernel raises if it cannot. An FP8
+    cache (uint8 rows, `mla_common`) is read as it is by both; the kernel then computes in bf16.
     """
+    fp8 = is_fp8_cache(kv_pages)
     if use_kernel:
-        dt = kv_pages.dtype
+        dt = jnp.bfloat16 if fp8 else kv_pages.dtype
         return mla_prefill(q_latent.astype(dt), q_rope.astype(dt), kv_pages, block_table, start_pos,
                            chunk_lens, softmax_scale=softmax_scale, interpret=interpret)
-    return mla_prefill_reference(q_latent, q_rope.astype(q_latent.dtype), kv_pages.astype(q_latent.dtype),
+    return mla_prefill_reference(q_latent, q_rope.astype(q_latent.dtype),
+                                 kv_pages if fp8 else kv_pages.astype(q_latent.dtype),
                                  block_table, start_pos, chunk_lens, softmax_scale=softmax_scale)

@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from dsv3_jax.model.kv_cache import PAGE_SIZE
+from dsv3_jax.model.layout import KV_CACHE_DTYPES
 
 MAX_LOGPROBS = 20  # top alternatives a request may ask for per token (OpenAI's bound)
 
@@ -65,10 +66,17 @@ class EngineConfig:
     # XLA options for compiling the step, e.g. {"xla_gpu_enable_command_buffer": "FUSION,...,WHILE"}
     # (benchmarks/engine_bench.py measures such choices on the GPU).
     compiler_options: dict[str, Any] | None = None
+    # The KV cache's dtype (vLLM's --kv-cache-dtype): "auto" the model's compute dtype, "bf16", or "fp8" (the
+    # FP8 latent cache, 656 instead of 1,152 bytes per token per layer: layout.cache_layout); None: the
+    # handle's (dsv3_jax.load(kv_cache_dtype=...), default "auto").
+    kv_cache_dtype: str | None = None
 
     def __post_init__(self) -> None:
         self.token_buckets = tuple(int(t) for t in self.token_buckets)
         self.row_buckets = tuple(int(r) for r in self.row_buckets)
+        if self.kv_cache_dtype is not None and self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES} (or None), "
+                             f"got {self.kv_cache_dtype!r}")
 
 
 @dataclasses.dataclass

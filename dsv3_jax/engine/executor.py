@@ -7,7 +7,8 @@ compiles step programs ahead of use, and `width`, `stats` and `compile_wall_s` s
 compiling has cost. `DeviceExecutor` implements it in this process; multi-host wraps it
 (parallel/lockstep.LockstepExecutor sends each operation to the other processes before running it).
 
-Owns: the paged latent cache and the per-slot state arrays (allocated and placed on the handle's mesh),
+Owns: the paged latent cache and the per-slot state arrays (allocated and placed on the handle's mesh, in
+the cache dtype EngineConfig.kv_cache_dtype or the handle's names, its size logged in tokens),
 the page-table width (the most pages one sequence can hold, rounded to 8 columns), the compiled step
 programs (their compile key, the per-handle program dict engines over one handle share, the program
 store on disk (program_cache.py), warmup's parallel compile, compile counters and log lines), and the JAX
@@ -33,7 +34,7 @@ import numpy as np
 
 from dsv3_jax.engine import program_cache, step
 from dsv3_jax.engine.api import EngineConfig
-from dsv3_jax.model import kv_cache
+from dsv3_jax.model import kv_cache, layout
 from dsv3_jax.parallel import sharding
 
 log = logging.getLogger(__name__)
@@ -145,8 +146,18 @@ class DeviceExecutor:
                       kv_cache.pages_for(mc.max_position_embeddings + c.spec_k, c.page_size))
         self.width = -(-max(longest, 1) // 8) * 8
         self._programs = program_cache.ProgramStore(enable_compilation_cache())
+        # EngineConfig.kv_cache_dtype, else the handle's (dsv3_jax.load(kv_cache_dtype=...)); "fp8": the FP8
+        # latent cache (layout.cache_layout), quantized by the step's cache write.
+        self.kv_cache_dtype = c.kv_cache_dtype or getattr(handle, "kv_cache_dtype", None) or "auto"
+        cache_dtype = layout.kv_cache_dtype(mc, self.kv_cache_dtype)
         self.cache = sharding.place_cache(handle, kv_cache.allocate(
-            mc, c.num_pages, c.page_size, handle.attention, jnp.dtype(mc.dtype), mtp=bool(c.spec_k)))
+            mc, c.num_pages, c.page_size, handle.attention, cache_dtype, mtp=bool(c.spec_k)))
+        per_token = layout.bytes_per_token(mc, handle.attention, cache_dtype, mtp=bool(c.spec_k))
+        log.info("KV cache: %s (%s), %d pages of %d tokens in %d batch shard(s): %d tokens (%s B per token, "
+                 "%.2f GB)", self.kv_cache_dtype, "fp8 e4m3 latent + bf16 rope" if layout.is_fp8(cache_dtype)
+                 else jnp.dtype(cache_dtype).name, c.num_pages, c.page_size, shards,
+                 (c.num_pages - shards) * c.page_size, f"{per_token:,}",
+                 c.num_pages * c.page_size * per_token / 1e9)
         self.state = step.init_state(c.max_batch + 1, c.spec_k, mc.vocab_size)
         if handle.mesh is not None:
             self.state = jax.device_put(self.state, self._replicated())

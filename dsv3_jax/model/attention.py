@@ -6,9 +6,11 @@ Owns: the q/kv projections, YaRN rope on the 64 rope dims, and attention itself 
   is folded into q, and W_uv (its V half) is applied after attention.
 Both forms give the same numbers; names follow the paper / official reference (wkv_a, kv_norm, q_pe).
 With a cache, both forms read and write *pages* through cache.py's helpers (its layout; page 0 is
-scratch); a batch may be ragged (row b holds chunk_lens[b] real tokens, or one token per row); absorbed
-attention over pages goes through `kernels.mla_attention` (the Pallas MLA kernel when the module's
-`trace_options.kernels` is "pallas"; every linear gets the same options).
+scratch; an FP8 pool, absorbed form only, gets its rows quantized by `kv_cache.latent_rows` on write
+and dequantized by whichever attention reads it); a batch may be ragged (row b holds chunk_lens[b] real
+tokens, or one token per row); absorbed attention over pages goes through `kernels.mla_attention` (the
+Pallas MLA kernel when the module's `trace_options.kernels` is "pallas"; every linear gets the same
+options).
 Must not own cache allocation or page bookkeeping (cache.py, engine) or know about other layers.
 """
 
@@ -22,7 +24,7 @@ import jax.numpy as jnp
 
 from dsv3_jax.config import ModelConfig
 from dsv3_jax.model import kernel_dispatch as kernels
-from dsv3_jax.model.kv_cache import PageMeta, gather_pages, layer_view, write_pages
+from dsv3_jax.model.kv_cache import PageMeta, gather_pages, latent_rows, layer_view, write_pages
 from dsv3_jax.model.layers import Linear, RMSNorm
 from dsv3_jax.model.rope import apply_rope, rope_angles
 from dsv3_jax.model.trace_options import TraceOptions
@@ -105,8 +107,10 @@ class MLA(nn.Module):
 
         if form == "absorbed":
             q_lat = jnp.einsum("bthd,hdr->bthr", q_nope, w_uk)
-            new_latent = jnp.concatenate([latent, k_pe], axis=-1)  # [B, T, 576]
             if cache is not None:
+                # [B, T, 576] values, or [B, T, 656] FP8 rows for an FP8 pool (quantized here, on write)
+                new_latent = latent_rows(latent, k_pe, cache["pages"])
+
                 def paged(pages, new, meta, start, q_lat, q_pe, *layer):
                     lay = layer[0] if layer else None
                     # The reads below see the written pool, not the old pool plus the new rows: otherwise
@@ -134,6 +138,9 @@ class MLA(nn.Module):
             v = jnp.einsum("btr,hvr->bthv", latent, w_uv)
             k = jnp.concatenate([k_nope, jnp.broadcast_to(k_pe[:, :, None, :], (b, t, h, dr))], axis=-1)
             if cache is not None:
+                if cache["k_pages"].dtype == jnp.uint8:
+                    raise ValueError("the FP8 KV cache needs attention='absorbed' (the naive form caches "
+                                     "per-head K/V)")
                 def paged(kp, vp, k, v, meta, start, *layer):
                     lay = layer[0] if layer else None
                     kp, vp = jax.lax.optimization_barrier((write_pages(kp, k, meta, start, lay),

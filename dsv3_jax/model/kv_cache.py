@@ -7,10 +7,12 @@ zeros and `layout.bytes_per_token` its cost. A sequence's logical page i (positi
 lives in physical page `block_table[b, i]`; physical page 0 is scratch that is never handed out (padding
 tokens are written there). The page size is `PAGE_SIZE` (the MLA kernels keep their own copy,
 `pallas_kernels.mla_common.PAGE_SIZE`, since kernels import nothing from dsv3_jax; a test ties the two).
-`write_pages` / `gather_pages` are the only code that indexes pages (`layer_view` hands them one layer
-of a scanned stack without slicing it out); `clear_pages` zeroes pages (a request whose numbers went
-non-finite must not leave NaN where the next owner's masked slots would read it). `contiguous_table`
-gives each sequence its own fixed run of pages; the engine allocates pages on demand.
+`latent_rows` puts new tokens in the pool's format (an FP8 pool, uint8, quantizes them: the step's
+cache write does, in prefill and decode alike); `write_pages` / `gather_pages` are the only code that
+indexes pages (`layer_view` hands them one layer of a scanned stack without slicing it out);
+`clear_pages` zeroes pages (a request whose numbers went non-finite must not leave NaN where the next
+owner's masked slots would read it; zero FP8 rows read as zeros). `contiguous_table` gives each
+sequence its own fixed run of pages; the engine allocates pages on demand.
 Owns: `PAGE_SIZE`, `PageMeta`, allocation and every page index. Must not declare cache shapes (layout.py),
 know the model's math or scheduling policy.
 """
@@ -75,6 +77,17 @@ def allocate_contiguous(cfg: ModelConfig, batch: int, max_len: int, form: str = 
 
 
 # ----------------------------------------------------------------------------- page reads and writes
+def latent_rows(latent: jax.Array, k_rope: jax.Array, pages: jax.Array) -> jax.Array:
+    """The absorbed cache rows [B, T, row] of new tokens in `pages`' format: [c ; k_rope] values (cast to
+    the pool's dtype on write), or, for an FP8 pool (uint8), each token quantized into one FP8 row
+    (pallas_kernels.mla_common.quantize_kv: latent e4m3 with fp32 scales per 128 values, rope bf16)."""
+    if pages.dtype == jnp.uint8:
+        from pallas_kernels.mla_common import quantize_kv
+
+        return quantize_kv(latent, k_rope)
+    return jnp.concatenate([latent, k_rope], axis=-1)
+
+
 def write_pages(pages: jax.Array, new: jax.Array, meta: PageMeta, start: jax.Array,
                 layer: jax.Array | None = None) -> jax.Array:
     """Scatter new [B, T, ...] into pages [P, page_size, ...] at positions start + t (t < chunk_lens); with

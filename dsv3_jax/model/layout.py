@@ -10,7 +10,9 @@ vocabulary (`LOGICAL_AXES`), the logical axes of every parameter and cache leaf 
 - `cache_layout(cfg, num_pages, page_size, form, dtype, mtp)`: the paged KV cache tree of ArrayInfo.
   Absorbed form: `pages [L, P, page_size, kv_lora_rank + rope]` (576 values per token per layer for
   V3); naive form: `k_pages [L, P, page_size, H, 192]`, `v_pages [L, P, page_size, H, 128]`; one
-  subtree per scanned stack plus the MTP layer's (no layer axis).
+  subtree per scanned stack plus the MTP layer's (no layer axis). The cache dtype may be "fp8"
+  (`kv_cache_dtype` resolves `--kv-cache-dtype`): absorbed `pages [L, P, page_size, 656]` uint8, one FP8
+  row per token in the format pallas_kernels/mla_common.py owns (shared with the kernels).
 Everything else derives from these: `kv_cache.allocate` (zeros of the cache layout), `bytes_per_token`,
 parallel/sharding.py's shardings (logical axes -> mesh axes through its one rules table), and plan.py's
 bytes per device. Must not allocate arrays, know meshes, or hold model math.
@@ -286,13 +288,46 @@ def token_shapes(cfg: ModelConfig, form: str = "absorbed") -> dict[str, tuple[in
     raise ValueError(f"cache form must be one of {FORMS}, got {form!r}")
 
 
+KV_CACHE_DTYPES = ("auto", "bf16", "fp8")  # EngineConfig.kv_cache_dtype / --kv-cache-dtype (vLLM's names)
+FP8 = "fp8"  # the FP8 latent cache: one uint8 row per token (pallas_kernels.mla_common's format)
+
+
+def kv_cache_dtype(cfg: ModelConfig, name: str | None) -> Any:
+    """The cache dtype that `--kv-cache-dtype` / `EngineConfig.kv_cache_dtype` `name` means for `cfg`:
+    "auto" (or None) the model's compute dtype, "bf16" bfloat16, "fp8" the FP8 latent format (`FP8`,
+    which `cache_layout` takes as its dtype). ValueError naming the value otherwise."""
+    if name is None or name == "auto":
+        return jnp.dtype(cfg.dtype)
+    if name in ("bf16", "bfloat16"):
+        return jnp.dtype(jnp.bfloat16)
+    if name in (FP8, "fp8_e4m3", "float8_e4m3fn"):
+        return FP8
+    raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {name!r}")
+
+
+def is_fp8(dtype: Any) -> bool:
+    """Whether a cache dtype (as `cache_layout` takes it) is the FP8 latent format."""
+    return isinstance(dtype, str) and dtype == FP8
+
+
 def cache_layout(cfg: ModelConfig, num_pages: int, page_size: int, form: str = "absorbed", dtype: Any = None,
                  mtp: bool = False) -> dict[str, Any]:
     """The paged cache tree of ArrayInfo: `num_pages` pages of `page_size` tokens for every layer, in
     `dtype` (default: the config's compute dtype); the MTP layer's own pool when `mtp` and the config
-    has one."""
-    dtype = jnp.dtype(dtype or cfg.dtype)
-    per_token = token_shapes(cfg, form)
+    has one. `dtype` "fp8" (`FP8`): the FP8 latent cache, absorbed form only: `pages [.., page_size, row]`
+    uint8 with row = `mla_common.fp8_row_bytes` (latent e4m3 + fp32 scale per 128 values + rope bf16:
+    656 bytes for V3 vs 1,152 in bf16)."""
+    if is_fp8(dtype):
+        if form != "absorbed":
+            raise ValueError("kv_cache_dtype 'fp8' needs attention='absorbed': the naive form caches "
+                             "per-head K/V, the FP8 cache is the absorbed form's latent")
+        from pallas_kernels.mla_common import fp8_row_bytes
+
+        dtype = jnp.dtype(jnp.uint8)
+        per_token = {PAGES: (fp8_row_bytes(cfg.kv_lora_rank, cfg.qk_rope_head_dim),)}
+    else:
+        dtype = jnp.dtype(dtype or cfg.dtype)
+        per_token = token_shapes(cfg, form)
 
     def pool(layers: tuple[int, ...]) -> dict[str, ArrayInfo]:
         lead = ("layers",) if layers else ()
@@ -310,7 +345,7 @@ def cache_layout(cfg: ModelConfig, num_pages: int, page_size: int, form: str = "
 
 
 def bytes_per_token(cfg: ModelConfig, form: str = "absorbed", dtype: Any = None, mtp: bool = False) -> int:
-    """Cache bytes one token costs over all layers (absorbed V3, bf16: 576 x 2 x 61 = 70,272): the cache
-    layout of one one-token page."""
+    """Cache bytes one token costs over all layers (absorbed V3, bf16: 576 x 2 x 61 = 70,272; fp8:
+    656 x 61 = 40,016): the cache layout of one one-token page."""
     return tree_nbytes(cache_layout(cfg, 1, 1, form, dtype, mtp))
 
