@@ -124,8 +124,12 @@ def test_capped_chunks_give_the_same_tokens_through_the_engine():
         eng.step()
         eng.step()
         rids.append(eng.add_request(long, max_new_tokens=3))
-        for _ in eng.run():
-            pass
+        pending = [eng.engine_stats()["prefill_tokens_pending"]]
+        while eng.has_work():
+            eng.step()
+            pending.append(eng.engine_stats()["prefill_tokens_pending"])
+        # The long prompt's progress (what /metrics' dsv3_prefill_tokens_pending shows): 200 -> 0, never up.
+        assert pending[0] == 200 and pending[-1] == 0 and all(a >= b for a, b in zip(pending, pending[1:]))
         out[cap] = [eng.finished[r].output for r in rids]
         steps[cap] = eng.stats["steps"]
     assert out[600] == out[0]

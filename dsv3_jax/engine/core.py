@@ -318,5 +318,8 @@ class Engine:
                 "preemptions": self.sched.preemptions,
                 "mtp_acceptance": s["spec_accepted"] / prop if prop else None,
                 "compiles": s["compiles"], "compile_s": s["compile_s"],
-                "compiles_after_warmup": s["compiles_after_warmup"], "programs_loaded": s["programs_loaded"]}
+                "compiles_after_warmup": s["compiles_after_warmup"], "programs_loaded": s["programs_loaded"],
+                # a long prompt's progress: prompt tokens not yet in the cache (running and waiting)
+                "prefill_tokens_pending": sum(max(len(r.prompt) - r.computed, 0)
+                                              for r in (*self.waiting, *self.running))}
 
