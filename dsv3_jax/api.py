@@ -25,6 +25,7 @@ from dsv3_jax.config import ModelConfig
 from dsv3_jax.engine.executor import enable_compilation_cache
 from dsv3_jax.engine.sampling import load_generation_defaults
 from dsv3_jax.formats import checkpoint, compact
+from dsv3_jax.model import layout
 from dsv3_jax.model.attention import ATTENTION_FORMS
 from dsv3_jax.model.trace_options import TraceOptions
 from dsv3_jax.model.transformer import Transformer
@@ -51,10 +52,19 @@ class ModelHandle:
     executor_factory: Callable[..., Any] | None = dataclasses.field(default=None, repr=False)
     # Every trace-time setting (kernel backend, MoE dispatch): the model's, and the engine's compile key's
     trace_options: TraceOptions = dataclasses.field(default_factory=TraceOptions.from_environment)
+    # The KV cache dtype of the engines built over this handle when their EngineConfig names none
+    # (layout.KV_CACHE_DTYPES: "auto" the compute dtype, "bf16", "fp8" the FP8 latent cache)
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_FORMS:
             raise ValueError(f"attention must be one of {ATTENTION_FORMS}, got {self.attention!r}")
+        if self.kv_cache_dtype not in layout.KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {layout.KV_CACHE_DTYPES}, "
+                             f"got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype == "fp8" and self.attention != "absorbed":
+            raise ValueError("kv_cache_dtype 'fp8' needs attention='absorbed': the naive form caches "
+                             "per-head K/V, the FP8 cache is the absorbed form's latent")
         self.fp8 = checkpoint.tree_is_fp8(self.params)
         self.model = Transformer(self.config, jnp.dtype(self.config.dtype), self.fp8, self.attention,
                                  trace_options=self.trace_options)
@@ -202,7 +212,7 @@ DEFAULT_MODEL_DIR = Path(__file__).parent / "default_model"
 def load(path: str | Path | None = None, *, mesh: Any = None, attention: str = "absorbed",
          dtype: str | None = None, n_activated_experts: int | None = None, max_seq_len: int | None = None,
          device_memory: int | str | None = None, kernels: str | None = None,
-         trace_options: TraceOptions | None = None) -> ModelHandle:
+         trace_options: TraceOptions | None = None, kv_cache_dtype: str = "auto") -> ModelHandle:
     """Load a converted checkpoint (or an HF safetensors directory) onto `mesh` (None: one device);
     `path` None loads the embedded default model (`DEFAULT_MODEL_DIR`).
 
@@ -214,8 +224,13 @@ def load(path: str | Path | None = None, *, mesh: Any = None, attention: str = "
     accelerator reports; no check on CPU), else PlanError with the numbers.
     `kernels`: "auto" (Pallas on a Hopper GPU, the `jnp` reference elsewhere), "pallas" or "reference";
     None reads DSV3_KERNELS. `trace_options` (a `TraceOptions`, instead of `kernels`) sets every trace
-    setting at once (MoE dispatch mode, capacity factor too).
+    setting at once (MoE dispatch mode, capacity factor too). `kv_cache_dtype` ("auto", "bf16", "fp8":
+    vLLM's `kv_cache_dtype`) is the KV cache of the engines built over the handle (`generate`, `chat`;
+    an `EngineConfig.kv_cache_dtype` overrides it) and of the plan checked here; "fp8" stores the latent
+    in e4m3 with per-128 scales and the rope in bf16 (656 instead of 1,152 B per token per layer).
     """
+    if kv_cache_dtype not in layout.KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {layout.KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
     if trace_options is not None and kernels is not None:
         raise ValueError("pass kernels or trace_options, not both (TraceOptions.kernels is the backend)")
     options = trace_options if trace_options is not None else TraceOptions.resolve(kernels)
@@ -232,7 +247,7 @@ def load(path: str | Path | None = None, *, mesh: Any = None, attention: str = "
     if mesh is not None:
         mesh = sharding.make_mesh(check_mesh(mesh, "mesh") if isinstance(mesh, str) else mesh)
         sharding.validate(cfg, mesh, fp8=cfg.quantization is not None)
-    _check_plan(cfg, mesh, max_seq_len, device_memory)
+    _check_plan(cfg, mesh, max_seq_len, device_memory, kv_cache_dtype)
     shardings = None
     if mesh is None:
         params = jax.tree_util.tree_map(jnp.asarray, _host_params(path, cfg))
@@ -252,7 +267,7 @@ def load(path: str | Path | None = None, *, mesh: Any = None, attention: str = "
     else:
         tok = Tokenizer.default() if path == DEFAULT_MODEL_DIR else None
     return ModelHandle(cfg, params, attention, mesh, path, tok, load_generation_defaults(path), shardings,
-                       trace_options=options)
+                       trace_options=options, kv_cache_dtype=kv_cache_dtype)
 
 
 def _host_params(path: Path, cfg: ModelConfig) -> dict[str, Any]:
@@ -283,7 +298,7 @@ def _prune(tree: Any, like: Any) -> Any:
 
 
 def _check_plan(cfg: ModelConfig, mesh: Any, max_seq_len: int | None,
-                device_memory: int | str | None) -> None:
+                device_memory: int | str | None, kv_cache_dtype: str = "auto") -> None:
     """Refuse (PlanError with the numbers) a model that cannot fit, before reading any weights."""
     from dsv3_jax import plan
 
@@ -294,7 +309,7 @@ def _check_plan(cfg: ModelConfig, mesh: Any, max_seq_len: int | None,
             return  # CPU: no meaningful per-device limit
     sizes = sharding.axis_sizes(mesh) if mesh is not None else dict.fromkeys(sharding.AXES, 1)
     plan.plan(cfg, sizes, dtype=_weights_dtype(cfg), max_seq_len=max_seq_len, device_memory=device_memory,
-              params_or_shapes=_planned_shapes(cfg)).check()
+              params_or_shapes=_planned_shapes(cfg), kv_cache_dtype=kv_cache_dtype).check()
 
 
 def tiny_default(*, attention: str = "absorbed", seed: int = 0) -> ModelHandle:

@@ -123,6 +123,7 @@ class Plan:
     replicated_bytes_per_device: int
     kv_bytes_per_token: int  # one token of one sequence, all layers (absorbed cache; bf16, fp32 for fp32)
     batch_shards: int  # sequences are spread over data x expert; each device holds whole sequences
+    kv_cache_dtype: str = "auto"  # layout.KV_CACHE_DTYPES
 
     @property
     def n_devices(self) -> int:
@@ -168,7 +169,8 @@ class Plan:
             ("device memory", fmt_bytes(self.device_memory)),
             ("reserve (activations, workspace)", fmt_bytes(self.reserve)),
             ("free for KV per device", fmt_bytes(self.free_bytes_per_device)),
-            ("KV per token", f"{self.kv_bytes_per_token:,} B ({self.kv_bytes_per_token / 1e3:.1f} KB)"),
+            ("KV per token", f"{self.kv_bytes_per_token:,} B ({self.kv_bytes_per_token / 1e3:.1f} KB, "
+                             f"kv cache dtype {self.kv_cache_dtype})"),
             (f"KV per {self.max_seq_len:,}-token request", fmt_bytes(self.kv_bytes_per_request)),
             ("tokens per device / total", f"{self.tokens_per_device:,} / {self.tokens_total:,}"),
             (f"{self.max_seq_len:,}-token requests per device / total",
@@ -196,11 +198,13 @@ class Plan:
 def plan(cfg: ModelConfig, mesh: str | Mapping[str, int] | Any, *, dtype: str = "bf16",
          max_seq_len: int | None = None, device_memory: int | str,
          reserve: int | float = DEFAULT_RESERVE_FRACTION, params_or_shapes: Any = None,
-         include_mtp: bool = True) -> Plan:
+         include_mtp: bool = True, kv_cache_dtype: str = "auto") -> Plan:
     """Plan `cfg` on `mesh` (a spec string, axis-size dict or Mesh) without allocating anything.
 
     `reserve` < 1 is a fraction of device memory, otherwise bytes. `params_or_shapes` overrides the
-    parameter tree (e.g. the shapes of a checkpoint without the MTP layer).
+    parameter tree (e.g. the shapes of a checkpoint without the MTP layer). `kv_cache_dtype`
+    (layout.KV_CACHE_DTYPES): "auto" bf16 (fp32 for fp32 weights), "bf16", or "fp8" (656 B per token per
+    layer instead of 1,152).
     """
     if isinstance(mesh, str | Mapping):
         if isinstance(mesh, str):
@@ -238,8 +242,19 @@ def plan(cfg: ModelConfig, mesh: str | Mapping[str, int] | Any, *, dtype: str = 
     return Plan(mesh=sizes, dtype=dtype, max_seq_len=max_seq_len, device_memory=mem, reserve=reserve_b,
                 weight_bytes_total=total, weight_bytes_per_device=per_dev, replicated_bytes_per_device=rep,
                 kv_bytes_per_token=layout.bytes_per_token(cfg, "absorbed",
-                                                          jnp.float32 if dtype == "fp32" else jnp.bfloat16),
+                                                          _cache_dtype(dtype, kv_cache_dtype)),
+                kv_cache_dtype=kv_cache_dtype,
                 batch_shards=sharding.mesh_size(sharding.LOGICAL_RULES["batch"], sizes))
+
+
+def _cache_dtype(weights: str, kv_cache_dtype: str) -> Any:
+    """The cache dtype (as layout.cache_layout takes it) of `kv_cache_dtype` for weights stored as
+    `weights`: "auto" is bf16, fp32 for fp32 weights."""
+    if kv_cache_dtype == "auto":
+        return jnp.float32 if weights == "fp32" else jnp.bfloat16
+    if kv_cache_dtype not in layout.KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {layout.KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+    return layout.FP8 if kv_cache_dtype == "fp8" else jnp.bfloat16
 
 
 DEFAULT_MEMORY_FRACTION = 0.90  # like vLLM's --gpu-memory-utilization: weights + activations + KV pages
@@ -284,6 +299,7 @@ class PoolPlan:
     page_bytes_per_device: int  # one page (all layers) on the device holding it
     batch_shards: int
     pages_per_shard: int  # including the shard's scratch page
+    kv_cache_dtype: str = "auto"  # what the pages hold (layout.KV_CACHE_DTYPES)
 
     @property
     def num_pages(self) -> int:
@@ -320,7 +336,8 @@ class PoolPlan:
             ("weights per device", fmt_bytes(self.weight_bytes_per_device)),
             (f"activations per device ({act})", fmt_bytes(self.activation_bytes_per_device)),
             ("KV pages per device", f"{fmt_bytes(self.kv_bytes_per_device)} = {self.pages_per_shard:,} x "
-                                    f"{self.page_bytes_per_device:,} B ({self.page_size}-token pages)"),
+                                    f"{self.page_bytes_per_device:,} B ({self.page_size}-token pages, "
+                                    f"kv cache dtype {self.kv_cache_dtype})"),
             ("KV tokens per shard / total", f"{self.kv_tokens_per_shard:,} / "
                                             f"{self.kv_tokens_per_shard * self.batch_shards:,}"),
             (f"{self.max_model_len:,}-token requests per shard / total",
@@ -357,6 +374,9 @@ def pool_plan(cfg: ModelConfig, mesh: str | Mapping[str, int] | Any, *, dtype: s
     weights = plan(cfg, mesh, dtype=dtype, max_seq_len=max_model_len, device_memory=device_memory,
                    reserve=0, params_or_shapes=params_or_shapes, include_mtp=include_mtp)
     sizes, d = weights.mesh, weights.batch_shards
+    kv_name = cache_dtype if isinstance(cache_dtype, str) and cache_dtype in layout.KV_CACHE_DTYPES else None
+    if kv_name is not None:  # "auto": the compute dtype, as the engine allocates it
+        cache_dtype = None if kv_name == "auto" else _cache_dtype(dtype, kv_name)
     two_pages_each = layout.cache_layout(cfg, 2 * d, page_size, form, cache_dtype, mtp)
     page_bytes = cache_bytes_per_device(two_pages_each, sizes) // 2
     measured = activation_bytes is not None
@@ -369,7 +389,9 @@ def pool_plan(cfg: ModelConfig, mesh: str | Mapping[str, int] | Any, *, dtype: s
                  device_memory=weights.device_memory, memory_fraction=float(memory_fraction),
                  weight_bytes_per_device=weights.weight_bytes_per_device, activation_bytes_per_device=act,
                  activations_measured=measured, page_bytes_per_device=page_bytes, batch_shards=d,
-                 pages_per_shard=int(pages))
+                 pages_per_shard=int(pages),
+                 kv_cache_dtype=kv_name or ("fp8" if layout.is_fp8(cache_dtype) else
+                                            str(jnp.dtype(cache_dtype or cfg.dtype))))
     if p.pages_per_shard < 1 + p.pages_per_request:
         have = max(p.pages_per_shard - 1, 0)
         raise PlanError(
@@ -395,13 +417,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--reserve", type=float, default=DEFAULT_RESERVE_FRACTION,
                     help="kept free for activations/workspace: a fraction (<1) or bytes")
     ap.add_argument("--no-mtp", action="store_true", help="leave out the MTP layer's weights")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=layout.KV_CACHE_DTYPES,
+                    help="KV cache: auto (bf16; fp32 for fp32 weights), bf16, or fp8 (e4m3 latent with "
+                         "per-128 scales + bf16 rope: 656 instead of 1,152 B per token per layer)")
     a = ap.parse_args(argv)
     try:
         dtype = parse_dtype(a.dtype, DTYPES)
         mesh = check_mesh(a.mesh)
         cfg = load_config(a.config)
         p = plan(cfg, mesh, dtype=dtype, max_seq_len=a.max_seq_len, device_memory=a.device_memory,
-                 reserve=a.reserve, include_mtp=not a.no_mtp)
+                 reserve=a.reserve, include_mtp=not a.no_mtp, kv_cache_dtype=a.kv_cache_dtype)
     except (ValueError, OSError) as e:  # ConfigError, MeshError, UsageError, a missing config file
         return report_error("plan", e)
     print(p.summary())
@@ -410,7 +435,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         longest = min(a.max_seq_len, cfg.max_position_embeddings)
         pool = pool_plan(cfg, mesh, dtype=dtype, max_model_len=longest, device_memory=a.device_memory,
-                         max_batched_tokens=2048, max_batch=256,
+                         max_batched_tokens=2048, max_batch=256, cache_dtype=a.kv_cache_dtype,
                          include_mtp=not a.no_mtp, attention_kernel=True)
         print(f"\nengine pool (memory fraction {DEFAULT_MEMORY_FRACTION:g}, Pallas attention):\n"
               + pool.summary())

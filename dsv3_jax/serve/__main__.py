@@ -133,7 +133,8 @@ def _list(text: str | None, flag: str) -> list[str]:
 def engine_config(args: argparse.Namespace) -> Any:
     from dsv3_jax.engine.api import EngineConfig
 
-    extra = {k: getattr(args, k) for k in ("token_buckets", "row_buckets") if getattr(args, k) is not None}
+    extra = {k: getattr(args, k) for k in ("token_buckets", "row_buckets", "kv_cache_dtype")
+             if getattr(args, k, None) is not None}
     return EngineConfig(num_pages=args.num_pages, max_batch=args.max_batch, chunk_size=args.chunk_size,
                         prefix_caching=not args.no_prefix_caching, spec_k=args.spec_k,
                         max_batched_tokens=args.max_batched_tokens, **extra)
