@@ -403,7 +403,8 @@ class _Gate:
             token = auth[7:].strip() if auth[:7].lower() == b"bearer " else b""
             if not any(hmac.compare_digest(token, k) for k in self.keys):  # constant time
                 msg = ("missing API key: send it as 'Authorization: Bearer KEY'" if not auth else
-                       "incorrect API key provided")
+                       "incorrect API key provided" if token else
+                       "malformed Authorization header: send 'Authorization: Bearer KEY'")
                 return JSONResponse(P.error_body(msg, "invalid_request_error", None, "invalid_api_key"), 401,
                                     headers={"WWW-Authenticate": "Bearer"})
         length = headers.get(b"content-length")
