@@ -105,6 +105,7 @@ def test_token_slice_equals_slicing_the_whole_sequence():
             assert r.token_slice(a, b) == full[a:b], (a, b)
 
 
+@pytest.mark.slow
 def test_capped_chunks_give_the_same_tokens_through_the_engine():
     """Decoders plus a long prompt, with a tight cap (chunks of a few tokens) and without: same greedy
     tokens for everyone, and the capped run really cut the long prompt into more, smaller chunks."""
@@ -136,6 +137,7 @@ def test_capped_chunks_give_the_same_tokens_through_the_engine():
     assert steps[600] > steps[0]
 
 
+@pytest.mark.slow
 def test_the_plans_concurrency_is_what_the_engine_runs_before_preempting():
     """pool_plan's `max_requests` full-length requests run at once without preemption; one more request
     (admitted while short, growing to full length) makes the engine preempt: the number is exact."""
@@ -170,3 +172,32 @@ def test_the_plans_concurrency_is_what_the_engine_runs_before_preempting():
             assert eng.stats["preemptions"] == before and max(rows) == n
         else:
             assert eng.stats["preemptions"] > before
+
+
+@pytest.mark.slow
+def test_long_context_benchmark_runs_end_to_end_at_toy_sizes(tmp_path):
+    """benchmarks/long_context.py --tiny: every section on CPU (reference kernels), the GPU run's code."""
+    import json
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[1] / "benchmarks"
+    sys.path.insert(0, str(bench))
+    try:
+        import long_context
+    finally:
+        sys.path.remove(str(bench))
+    out = tmp_path / "lc.json"
+    assert long_context.main(["--tiny", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert not res["skipped"] and "stall_error" not in res
+    assert [r["chunk"] for r in res["kernel"]] == [32, 64] and all("ours" in r for r in res["kernel"])
+    assert [r["prompt"] for r in res["long"]] == [256, 512]
+    for r in res["long"]:
+        assert r["ttft_s"] > 0 and r["itl_ms"] > 0 and r["compute_floor_s"] > 0 and r["compiles_during"] == 0
+    s = res["stall"]
+    assert s["long_finished"] and s["baseline_gaps"] > 0 and s["during_gaps"] > 0
+    assert s["compiles_during"] == 0
+    assert s["itl_p99_during_ms"] >= s["itl_p50_during_ms"] > 0
+    # The cap cut the long prompt's chunks below chunk_size while the decoders ran.
+    assert s["long_chunk_tokens"]["last"] < s["chunk_size"]

@@ -1,0 +1,413 @@
+"""Long context through the serving engine on one GPU (issue 29): 32K-160K prompts, no stall, the MLA
+prefill-chunk kernel at long prefixes, each figure beside its floor or peer measured in the same run.
+
+Model: the full-width DeepSeek-V3 slice with FP8 weights the other GPU benchmarks use (1 dense + 4 MoE
+layers, `e2e_bench.slice_config` / `random_fp8_params`, imported), context 163,840. Sections, in order
+of priority (a wall-clock budget skips what no longer fits and says so; --tasks picks some):
+
+  kernel  (c) the absorbed MLA prefill-chunk kernel (`mla_chunk_attention`, the engine's path) for
+          chunks of 512-4K new tokens over a 128K cached prefix, H=128: TFLOP/s in its own (absorbed,
+          576/512) FLOPs, beside torch SDPA (FlashAttention-style, causal lower-right) on the naive-form
+          shapes of the same attention (qk 192, v 128 per head): the time each takes for the same
+          attention, and the peer's TFLOP/s in naive-form FLOPs.
+  long    (a) one request of 32K, 64K, 128K (and 160K last, if the budget allows) prompt tokens through
+          the engine alone: TTFT beside the prefill compute floor = body FLOPs (activated parameters
+          without embedding and head, 2 per token) at the fp8 GEMM rate + attention FLOPs at the bf16
+          GEMM rate, the attention counted as the engine computes it (absorbed form, causal pairs x
+          (576 + 512) x 2 per head and layer; the naive-form count, 3.4x smaller, is in the JSON); then
+          decode ITL at that context (batch 1) beside its HBM floor (`e2e_bench.step_bytes` at the
+          device copy bandwidth).
+  stall   (b) 32 requests decoding at a 4K context while a 128K prompt arrives: their ITL p50 / p99 / max
+          during the long prefill against their p50 just before it (goal: p99 <= 2x), the long prompt's
+          TTFT beside its TTFT alone, and the steps' token counts (the prefill attention cap at work:
+          EngineConfig.prefill_attention_pairs, see dsv3_jax/engine/scheduler.py).
+
+One engine serves both (a) and (b): warmed once (every step program compiled before the first request,
+compile time reported apart; a compile during a load is counted in its row), greedy, EOS off, prefix
+caching on (every prompt is fresh random tokens, so nothing hits). Timings use the engine's clock
+(compile time excluded). Prints a short table last; details go to the JSON (--out).
+
+    python3 benchmarks/long_context.py --out $OUT/long_context.json            # one H200, <= 5 min
+    python3 benchmarks/long_context.py --tiny --out /tmp/long_context.json     # CPU, toy sizes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import e2e_bench  # noqa: E402  (the slice, its weights, floors and rates)
+from engine_bench import timed_warmup  # noqa: E402
+
+from dsv3_jax.api import ModelHandle  # noqa: E402
+from dsv3_jax.engine.core import Engine, EngineConfig  # noqa: E402
+from dsv3_jax.engine.scheduler import attention_pairs  # noqa: E402
+from dsv3_jax.model import kv_cache  # noqa: E402
+from pallas_kernels.mla_prefill import mla_chunk_attention  # noqa: E402
+
+ABSORBED, NAIVE = 576 + 512, 192 + 128  # per-head widths of QK + PV in each MLA form
+
+
+def pct(xs, q: float) -> float | None:
+    return float(np.percentile(xs, q)) if len(xs) else None
+
+
+# ------------------------------------------------------------------------------------------ floors
+def prefill_flops(cfg, n: int, start: int = 0, width: int = ABSORBED) -> tuple[float, float]:
+    """(body FLOPs, attention FLOPs) of prefilling n tokens after `start` cached ones: the body is every
+    activated parameter but the embedding (a gather) and the head (one row per chunk), 2 per token."""
+    embed = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
+    body = 2.0 * (cfg.param_count(activated=True) - embed) * n
+    attn = 2.0 * cfg.num_hidden_layers * cfg.num_attention_heads * width * attention_pairs(start, n)
+    return body, attn
+
+
+# ------------------------------------------------------------------------------------------ (c)
+def torch_sdpa_peer(prefix: int, chunk: int, heads: int, reps: int) -> dict:
+    """torch SDPA (FlashAttention-style kernels) on the naive-form shapes: q [1, H, chunk, 192] over
+    k [1, H, prefix + chunk, 192], v [.., 128], causal aligned bottom-right (the chunk's last query sees
+    every key). Each of torch's fused GPU backends that takes the shapes is timed (CUDA events); the
+    fastest is the peer. On CPU, torch's default choice, timed with perf_counter."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    s = prefix + chunk
+    g = torch.Generator(device=dev).manual_seed(0)
+    q = torch.randn(1, heads, chunk, 192, device=dev, dtype=torch.bfloat16, generator=g)
+    k = torch.randn(1, heads, s, 192, device=dev, dtype=torch.bfloat16, generator=g)
+    v = torch.randn(1, heads, s, 128, device=dev, dtype=torch.bfloat16, generator=g)
+    mask = causal_lower_right(chunk, s)
+
+    def timed() -> dict:
+        f = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # noqa: E731
+        f()
+        ts = []
+        for _ in range(reps):
+            if dev == "cuda":
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                f()
+                b.record()
+                torch.cuda.synchronize()
+                ts.append(a.elapsed_time(b) / 1e3)
+            else:
+                t0 = time.perf_counter()
+                f()
+                ts.append(time.perf_counter() - t0)
+        return {"median_ms": 1e3 * statistics.median(ts), "min_ms": 1e3 * min(ts), "max_ms": 1e3 * max(ts)}
+
+    if dev == "cpu":
+        return {**timed(), "device": dev, "backend": "default"}
+    tried: dict = {}
+    for name in ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION"):
+        try:
+            with sdpa_kernel([getattr(SDPBackend, name)]):
+                tried[name] = timed()
+        except Exception as e:  # noqa: BLE001 - this backend refuses the shapes (e.g. qk 192 != v 128)
+            tried[name] = {"error": repr(e)[:200]}
+    ok = {n: t for n, t in tried.items() if "median_ms" in t}
+    if not ok:
+        raise RuntimeError(f"no torch SDPA backend took the shapes: {tried}")
+    best = min(ok, key=lambda n: ok[n]["median_ms"])
+    return {**ok[best], "device": dev, "backend": best, "backends": tried}
+
+
+def kernel_case(prefix: int, chunk: int, heads: int, reps: int, use_kernel: bool) -> dict:
+    """The engine's chunk attention (absorbed, paged) for `chunk` new tokens after `prefix` cached."""
+    ps = kv_cache.PAGE_SIZE
+    s = prefix + chunk
+    table = jnp.asarray(kv_cache.contiguous_table(1, s, ps))
+    k1, k2, k3 = jax.random.split(jax.random.key(chunk), 3)
+    kv = jax.random.normal(k1, (1 + table.size, ps, 576), jnp.bfloat16)
+    ql = jax.random.normal(k2, (1, chunk, heads, 512), jnp.bfloat16)
+    qr = jax.random.normal(k3, (1, chunk, heads, 64), jnp.bfloat16)
+    start, lens = jnp.full((1,), prefix, jnp.int32), jnp.full((1,), chunk, jnp.int32)
+    f = jax.jit(lambda *a: mla_chunk_attention(*a, softmax_scale=192**-0.5, use_kernel=use_kernel)[0])
+    return e2e_bench.timeit(lambda: f(ql, qr, kv, table, start, lens), reps)
+
+
+def sec_kernel(args, res: dict, left) -> None:
+    rows = res.setdefault("kernel", [])
+    use_kernel = not args.tiny
+    for chunk in args.kernel_chunks:
+        if left() < 15:
+            res["skipped"].append(f"kernel chunk {chunk}")
+            continue
+        pairs = args.heads * attention_pairs(args.kernel_prefix, chunk)
+        row = {"prefix": args.kernel_prefix, "chunk": chunk, "heads": args.heads,
+               "path": "pallas" if use_kernel else "reference (CPU)"}
+        try:
+            k = kernel_case(args.kernel_prefix, chunk, args.heads, args.reps, use_kernel)
+            row["ours"] = {**k, "tflops": 2 * pairs * ABSORBED / (k["median_ms"] / 1e3) / 1e12}
+        except Exception as e:  # noqa: BLE001 - record and keep measuring
+            row["ours_error"] = repr(e)[:300]
+        try:
+            t = torch_sdpa_peer(args.kernel_prefix, chunk, args.heads, args.reps)
+            row["torch_sdpa_naive"] = {**t, "tflops": 2 * pairs * NAIVE / (t["median_ms"] / 1e3) / 1e12}
+            import torch
+
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()  # JAX needs the memory back for the engine
+        except Exception as e:  # noqa: BLE001 - torch missing or its kernels refuse the shapes
+            row["torch_error"] = repr(e)[:300]
+        if "ours" in row and "torch_sdpa_naive" in row:
+            row["time_ours_over_torch"] = row["ours"]["median_ms"] / row["torch_sdpa_naive"]["median_ms"]
+        rows.append(row)
+        print("kernel", row, flush=True)
+
+
+# ------------------------------------------------------------------------------------------ (a), (b)
+def drive(eng: Engine, until, record: list | None = None) -> None:
+    """Step until `until()`; `record` gets (clock, tokens, rows) per dispatched step."""
+    while not until():
+        before = eng.stats["steps"]
+        eng.step()
+        if record is not None and eng.stats["steps"] > before:
+            record.append((eng.clock(), eng.stats["tokens"][-1], eng.stats["batch_sizes"][-1]))
+
+
+def sec_long(args, res: dict, eng: Engine, cfg, params, rng, left, length: int) -> None:
+    rows = res.setdefault("long", [])
+    # The TTFT grows ~quadratically: skip a length the last one says will not fit the time left.
+    if rows and "ttft_s" in rows[-1]:
+        est = rows[-1]["ttft_s"] * (length / rows[-1]["prompt"]) ** 2 * 1.2
+        if est > left() - 10:
+            res["skipped"].append(f"long {length} (estimated {est:.0f} s, {left():.0f} s left)")
+            return
+    body, attn = prefill_flops(cfg, length)
+    _, attn_naive = prefill_flops(cfg, length, width=NAIVE)
+    floor = body / res["fp8_flops"] + attn / res["bf16_flops"]
+    row = {"prompt": length, "new": args.new, "compute_floor_s": floor,
+           "body_tflop": body / 1e12, "attention_tflop": attn / 1e12, "attention_tflop_naive": attn_naive / 1e12,
+           "compute_floor_naive_attention_s": body / res["fp8_flops"] + attn_naive / res["bf16_flops"]}
+    c0, steps0 = eng.stats["compiles"], eng.stats["steps"]
+    try:
+        rid = eng.add_request(rng.integers(2, cfg.vocab_size, length).tolist(), max_new_tokens=args.new)
+        drive(eng, lambda: not eng.has_work())
+        r = eng.finished[rid]
+        gaps = np.diff(r.token_times)
+        itl = float(np.median(gaps))
+        hbm = e2e_bench.step_bytes(cfg, params, 1, length) / res["copy_bw"]
+        row.update(ttft_s=r.first_token_at - r.arrival, steps=eng.stats["steps"] - steps0,
+                   itl_ms=1e3 * itl, itl_min_ms=1e3 * float(gaps.min()), itl_max_ms=1e3 * float(gaps.max()),
+                   hbm_floor_ms=1e3 * hbm, compiles_during=eng.stats["compiles"] - c0)
+        row["ttft_over_floor"] = row["ttft_s"] / floor
+        row["prefill_share_of_floor"] = floor / row["ttft_s"]
+        row["itl_over_floor"] = itl / hbm
+    except Exception as e:  # noqa: BLE001 - record and keep measuring
+        row["error"] = repr(e)[:400]
+    rows.append(row)
+    print("long", row, flush=True)
+
+
+def sec_stall(args, res: dict, eng: Engine, cfg, rng, left) -> None:
+    # The long prompt's time beside decoders: ~2x its time alone (the cap's trade), estimated from the
+    # longest prompt measured alone (TTFT ~ length^2); halve the long prompt while that does not fit.
+    alone = {r["prompt"]: r["ttft_s"] for r in res.get("long", []) if "ttft_s" in r}
+    ref = max(alone, default=None)
+    while ref and alone[ref] * (args.stall_len / ref) ** 2 * 2.5 > left() - 30 and args.stall_len > ref:
+        res["skipped"].append(f"stall at {args.stall_len:,} (estimated {alone[ref] * (args.stall_len / ref) ** 2 * 2.5:.0f}"
+                              f" s, {left():.0f} s left): halved")
+        args.stall_len //= 2
+    out: dict = {"decoders": args.decoders, "decode_ctx": args.decode_ctx, "long_prompt": args.stall_len,
+                 "prefill_attention_pairs": eng.cfg.prefill_attention_pairs, "chunk_size": eng.cfg.chunk_size,
+                 "max_batched_tokens": eng.cfg.max_batched_tokens}
+    c0 = eng.stats["compiles"]
+    rids = [eng.add_request(rng.integers(2, cfg.vocab_size, args.decode_ctx).tolist(),
+                            max_new_tokens=args.decoder_new) for _ in range(args.decoders)]
+    def reqs() -> list:
+        live = {r.rid: r for r in (*eng.waiting, *eng.running)}
+        return [eng.finished.get(i) or live[i] for i in rids]
+
+    drive(eng, lambda: all(len(r.output) >= 4 for r in reqs()))  # prefilled, decoding
+    t_base = eng.clock()
+    drive(eng, lambda: eng.clock() - t_base > args.baseline_s)
+    t_arrive = eng.clock()
+    long_rid = eng.add_request(rng.integers(2, cfg.vocab_size, args.stall_len).tolist(), max_new_tokens=1)
+    steps: list = []
+    drive(eng, lambda: long_rid in eng.finished or any(len(r.output) >= r.max_new_tokens for r in reqs()),
+          steps)
+    t_done = eng.clock()
+    ok = long_rid in eng.finished
+
+    def gaps(a: float, b: float) -> np.ndarray:
+        g = []
+        for r in reqs():
+            t = np.asarray(r.token_times)
+            d = np.diff(t)
+            g.append(d[(t[1:] > a) & (t[1:] <= b)])
+        return np.concatenate(g)
+    base, during = gaps(t_base, t_arrive), gaps(t_arrive, t_done)
+    lr = eng.finished.get(long_rid)
+    out.update(long_finished=ok, long_ttft_s=(lr.first_token_at - lr.arrival) if ok else None,
+               long_ttft_alone_s=alone.get(args.stall_len), baseline_gaps=len(base), during_gaps=len(during),
+               itl_p50_before_ms=1e3 * pct(base, 50), itl_p99_before_ms=1e3 * pct(base, 99),
+               itl_p50_during_ms=1e3 * pct(during, 50), itl_p99_during_ms=1e3 * pct(during, 99),
+               itl_max_during_ms=1e3 * float(during.max()), compiles_during=eng.stats["compiles"] - c0,
+               decoder_ctx_at_end=args.decode_ctx + max(len(r.output) for r in reqs()))
+    out["p99_during_over_p50_before"] = out["itl_p99_during_ms"] / out["itl_p50_before_ms"]
+    # The long prompt's chunk in each step that carried it (every other row decodes one token).
+    chunks = [t - (r - 1) for _, t, r in steps if r > args.decoders]
+    out["steps_during"] = len(steps)
+    out["long_chunk_tokens"] = {"first": chunks[0], "median": float(np.median(chunks)), "last": chunks[-1],
+                                "steps": len(chunks)} if chunks else None
+    for i in rids:
+        eng.cancel(i)
+    res["stall"] = out
+    print("stall", out, flush=True)
+
+
+# ------------------------------------------------------------------------------------------ main
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tiny", action="store_true", help="CPU run at toy sizes (tests/test_long_context.py)")
+    ap.add_argument("--moe-layers", type=int, default=4)
+    ap.add_argument("--lengths", default="32768,65536,131072,163808", help="(a) prompt lengths, in order")
+    ap.add_argument("--new", type=int, default=32, help="(a) tokens decoded after each long prompt")
+    ap.add_argument("--decoders", type=int, default=32)
+    ap.add_argument("--decode-ctx", type=int, default=4096)
+    ap.add_argument("--decoder-new", type=int, default=12000, help="(b) budget of each decoder")
+    ap.add_argument("--stall-len", type=int, default=131072)
+    ap.add_argument("--baseline-s", type=float, default=2.0, help="(b) decoding alone measured this long")
+    ap.add_argument("--kernel-prefix", type=int, default=131072)
+    ap.add_argument("--kernel-chunks", default="512,1024,2048,4096")
+    ap.add_argument("--heads", type=int, default=128)
+    ap.add_argument("--chunk-size", type=int, default=4096)
+    ap.add_argument("--max-batched-tokens", type=int, default=4096)
+    ap.add_argument("--prefill-attention-pairs", type=int, default=EngineConfig.prefill_attention_pairs)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--budget-s", type=float, default=285.0, help="skip what no longer fits after this")
+    ap.add_argument("--tasks", default="kernel,long,stall")
+    ap.add_argument("--out", type=Path, default=Path("long_context.json"))
+    a = ap.parse_args(argv)
+    if a.tiny:  # toy sizes for the CPU test, same code paths (the jnp reference instead of Pallas)
+        a.lengths, a.new, a.decoders, a.decode_ctx, a.decoder_new = "256,512", 4, 2, 64, 400
+        a.stall_len, a.baseline_s, a.kernel_prefix, a.kernel_chunks, a.heads = 384, 0.2, 256, "32,64", 16
+        a.chunk_size, a.max_batched_tokens, a.reps, a.budget_s, a.moe_layers = 128, 128, 1, 1e9, 1
+        a.prefill_attention_pairs = min(a.prefill_attention_pairs, 4096)
+    a.kernel_chunks = [int(c) for c in str(a.kernel_chunks).split(",")]
+    t_start = time.perf_counter()
+    left = lambda: a.budget_s - (time.perf_counter() - t_start)  # noqa: E731
+    tasks = set(a.tasks.split(","))
+    res: dict = {"device": str(jax.devices()[0].device_kind), "date": time.strftime("%Y-%m-%d"),
+                 "command": " ".join(sys.argv), "skipped": []}
+
+    def save() -> None:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps(res, indent=1, default=str))
+
+    if "kernel" in tasks:
+        sec_kernel(a, res, left)
+        save()
+    lengths = [int(x) for x in a.lengths.split(",")]
+    cfg = e2e_bench.slice_config(a.moe_layers, a.tiny)
+    if a.tiny:
+        cfg = cfg.replace(max_position_embeddings=1024)
+    model, params = e2e_bench.random_fp8_params(cfg)
+    res["config"] = {"layers": cfg.num_hidden_layers, "moe_layers": cfg.n_moe_layers,
+                     "context": cfg.max_position_embeddings, "weights": "fp8",
+                     "weight_gb": sum(x.nbytes for x in jax.tree_util.tree_leaves(params)) / 1e9}
+    # Ceilings measured here (the DESIGN's figures stand in on CPU, where they mean nothing).
+    res["copy_bw"] = 4.11e12 if a.tiny else e2e_bench.copy_bandwidth()
+    res["fp8_flops"] = 1285e12 if a.tiny else e2e_bench.fp8_rate()
+    res["bf16_flops"] = 743e12 if a.tiny else e2e_bench.bf16_rate()
+    handle = ModelHandle(cfg, params)
+    ps = kv_cache.PAGE_SIZE
+    longest = max(lengths + [a.stall_len]) + a.new
+    pages = (a.decoders * -(-(a.decode_ctx + a.decoder_new) // ps) + 2 * -(-longest // ps) + 8)
+    ecfg = EngineConfig(num_pages=pages, max_batch=a.decoders + 8, max_batched_tokens=a.max_batched_tokens,
+                        chunk_size=a.chunk_size, prefill_attention_pairs=a.prefill_attention_pairs,
+                        row_buckets=(a.decoders + 8,) if a.tiny else (1,), token_buckets=() if a.tiny else (512,))
+    eng = Engine(handle, ecfg)
+    res["engine_config"] = {k: (list(v) if isinstance(v, tuple) else v) for k, v in ecfg.__dict__.items()}
+    res["warmup"] = timed_warmup_greedy(eng)
+    save()
+    rng = np.random.default_rng(0)
+    # (a) below the stall's long prompt first (their TTFTs size what fits), then (b), then the rest of (a).
+    first = [n for n in lengths if n < a.stall_len]
+    if "long" in tasks:
+        for length in first:
+            if left() < 20:
+                res["skipped"].append(f"long {length}")
+                continue
+            sec_long(a, res, eng, cfg, params, rng, left, length)
+            save()
+    if "stall" in tasks:
+        if left() < 40:
+            res["skipped"].append("stall")
+        else:
+            try:
+                sec_stall(a, res, eng, cfg, rng, left)
+            except Exception as e:  # noqa: BLE001 - record it
+                res["stall_error"] = repr(e)[:400]
+        save()
+    if "long" in tasks:
+        for length in [n for n in lengths if n not in first]:
+            if left() < 20:
+                res["skipped"].append(f"long {length}")
+                continue
+            sec_long(a, res, eng, cfg, params, rng, left, length)
+            save()
+    res["total_s"] = time.perf_counter() - t_start
+    res["engine_stats"] = eng.engine_stats()
+    save()
+    report(res)
+    return 0
+
+
+def timed_warmup_greedy(eng: Engine) -> dict:
+    """engine_bench.timed_warmup restricted to the greedy programs (every request here is greedy)."""
+    real = eng.warmup
+    eng.warmup = lambda progress=None: real(modes=("greedy",), progress=progress)  # type: ignore[method-assign]
+    try:
+        return timed_warmup(eng)
+    finally:
+        del eng.warmup
+
+
+def report(res: dict) -> None:
+    print(f"\ndevice {res['device']}  copy {res['copy_bw'] / 1e9:.0f} GB/s  fp8 {res['fp8_flops'] / 1e12:.0f} / "
+          f"bf16 {res['bf16_flops'] / 1e12:.0f} TFLOP/s  warmup {res['warmup']['s']:.0f} s "
+          f"({res['warmup']['compiles']} programs)  total {res['total_s']:.0f} s")
+    for k in res.get("kernel", []):
+        o, t = k.get("ours", {}), k.get("torch_sdpa_naive", {})
+        print(f"(c) chunk {k['chunk']:>5} over {k['prefix']:,}: ours {o.get('median_ms', float('nan')):8.2f} ms "
+              f"{o.get('tflops', float('nan')):6.1f} TF/s | torch SDPA naive {t.get('median_ms', float('nan')):8.2f} ms "
+              f"{t.get('tflops', float('nan')):6.1f} TF/s | ours/torch time {k.get('time_ours_over_torch', float('nan')):.2f}"
+              + (f"  {k.get('ours_error', '')}{k.get('torch_error', '')}"[:120] if "ours" not in k or not t else ""))
+    print(f"{'(a) prompt':>10} {'TTFT s':>8} {'floor s':>8} {'share':>6} {'ITL ms':>7} {'floor':>6} {'ratio':>6} "
+          f"{'compiles':>8}")
+    for r in res.get("long", []):
+        if "error" in r:
+            print(f"{r['prompt']:>10} error {r['error'][:100]}")
+            continue
+        print(f"{r['prompt']:>10} {r['ttft_s']:>8.2f} {r['compute_floor_s']:>8.2f} {r['prefill_share_of_floor']:>6.2f} "
+              f"{r['itl_ms']:>7.2f} {r['hbm_floor_ms']:>6.2f} {r['itl_over_floor']:>6.2f} {r['compiles_during']:>8}")
+    s = res.get("stall")
+    if s:
+        print(f"(b) {s['decoders']} decoding at {s['decode_ctx']} + a {s['long_prompt']:,}-token prompt: ITL p50 "
+              f"{s['itl_p50_before_ms']:.2f} ms before; during p50 {s['itl_p50_during_ms']:.2f} p99 "
+              f"{s['itl_p99_during_ms']:.2f} max {s['itl_max_during_ms']:.2f} ms -> p99/p50 "
+              f"{s['p99_during_over_p50_before']:.2f} (goal <= 2); long TTFT {s['long_ttft_s'] or float('nan'):.1f} s "
+              f"(alone {s['long_ttft_alone_s'] or float('nan'):.1f} s); cap {s['prefill_attention_pairs']:,} pairs, "
+              f"chunk {s['chunk_size']}, budget {s['max_batched_tokens']}")
+    if "stall_error" in res:
+        print("(b) error:", res["stall_error"][:200])
+    print("skipped:", res["skipped"])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
