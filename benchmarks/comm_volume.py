@@ -3,13 +3,22 @@
 1. `count(...)`: closed form from the layout (sharding.py's table, moe.py's collectives): which
    collective each layer issues, on how many bytes, over how many devices.
 2. `hlo_count(...)`: the collectives XLA really emits. The full-width model is lowered with abstract
-   parameters (no memory) on virtual CPU devices, compiled (SPMD partitioning), and every all-gather,
-   reduce-scatter, all-reduce, all-to-all and collective-permute of the optimized HLO is summed, scan
-   loops multiplied by their trip counts.
+   parameters (no memory) on virtual CPU devices and compiled; every all-gather, reduce-scatter,
+   all-reduce, all-to-all and collective-permute of the *partitioned* module is summed, scan loops
+   multiplied by their trip counts. "Partitioned" is the module after SPMD partitioning and XLA's
+   platform-independent passes, captured just before the CPU back end's own passes: the CPU runtime has
+   no bf16 collectives, so its `all-reduce-promotion` and `float-normalization-bf16` passes rewrite every
+   bf16 collective to fp32 (the 2x "fp32 on the wire" this report showed on 2026-12-03). A GPU build keeps
+   them bf16 (XLA's GpuFloatSupport accepts bf16 all-reduce, reduce-scatter, all-gather and all-to-all;
+   NCCL reduces bf16). The CPU's final program is counted too (`hlo_cpu`), to show that difference.
 Both use one convention, bytes *sent* by one device with ring/pairwise algorithms over a group of g
 devices: all-gather (g-1)/g x result, reduce-scatter (g-1)/g x operand, all-reduce 2(g-1)/g x size,
 all-to-all (g-1)/g x buffer. Activations are bf16 (D = 7168: 14,336 B per token), routing weights and
 ids 4 B each; the step's logits stay vocabulary-sharded (sampling's gather is listed on its own).
+"DeepEP-style minimum": each token sent once per chosen expert and its output returned once, bf16 both
+ways, local copies free: 2 x (g-1)/g x tokens x k x D x 2 per MoE layer (g = the expert group; for
+`tensor=8`, which has no expert group, g = 8 and tokens = all the step's tokens, what an EP=8 layout
+would send for them).
 
     python benchmarks/comm_volume.py                 # table + benchmarks/results/comm_volume.json
     python benchmarks/comm_volume.py --no-hlo        # closed form only (seconds instead of minutes)
@@ -25,6 +34,7 @@ import math
 import os
 import re
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -47,11 +57,14 @@ ACT = 2  # bf16 activations
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 OPTIONS = TraceOptions()  # the default MoE dispatch ("auto") and capacity factor the compiled model uses
 
-# (mesh, phase, tokens per batch shard). Decode: B tokens per shard (one per sequence); prefill: a 4K
-# chunk per shard (above TraceOptions.all_gather_max_tokens per expert group, so the all-to-all path).
+# (mesh, devices). 8: TP=8 and EP=8 with DP attention (FP8 weights fit one host either way); 16: the
+# two-host BF16 layout (`tensor=2,expert=8`: 103.6 GB of weights per device, launch/README.md; `data=2`
+# layouts replicate the weights and do not fit BF16), EP=8 with DP attention over two hosts (FP8), and
+# EP=16. Decode: B tokens per batch shard (one per sequence); prefill: a 4K chunk per shard (above
+# TraceOptions.all_gather_max_tokens per expert group, so the all-to-all path).
 LAYOUTS = [
-    ("tensor=8", 8), ("expert=8", 8), ("data=2,tensor=4", 8),
-    ("tensor=2,expert=8", 16), ("expert=16", 16), ("data=2,expert=8", 16),
+    ("tensor=8", 8), ("expert=8", 8),
+    ("tensor=2,expert=8", 16), ("data=2,expert=8", 16), ("expert=16", 16),
 ]
 DECODE_TOKENS = (1, 64)  # per batch shard
 PREFILL_TOKENS = 4096
@@ -66,16 +79,11 @@ def _ar(g: int, size: float) -> float:
     return 2 * (g - 1) / g * size
 
 
-def count(cfg: ModelConfig, sizes: dict[str, int], tokens: int, *, act: int = 4,
-          router_gathers: bool = True) -> dict[str, float]:
+def count(cfg: ModelConfig, sizes: dict[str, int], tokens: int, *, act: int = ACT,
+          options: TraceOptions = OPTIONS) -> dict[str, float]:
     """Bytes one device sends per step, by collective kind, for `tokens` tokens per batch shard.
 
-    `act`: bytes per activation value on the wire. 4 is what the model compiles to today (the residual
-    stream entering the MoE and the tensor-parallel partial sums are fp32; `hlo_count` confirms it), 2 is
-    the same layout with bf16 payloads. `router_gathers`: GSPMD gathers the router's intermediates over
-    the expert group (route() runs outside moe.py's shard_map on batch-sharded tokens): group scores
-    [N, E], biased scores [N, n_group, E/n_group], group maxima [N, n_group] (fp32) and the kept groups
-    [N, topk_group, 2] (int32), N the group's tokens.
+    `act`: bytes per activation value on the wire (2: bf16, what the partitioned program sends).
     """
     t, ep = sizes["tensor"], sizes["expert"]
     d, k = cfg.hidden_size, cfg.num_experts_per_tok
@@ -84,30 +92,37 @@ def count(cfg: ModelConfig, sizes: dict[str, int], tokens: int, *, act: int = 4,
     n_dense, n_moe = cfg.n_dense_layers, cfg.n_moe_layers
     if t > 1:
         # Vocabulary-parallel embedding; per layer the o_proj all-reduce (heads split) and the MLP's
-        # (dense FFN width; in MoE layers the shared experts' and the routed experts' psum over tensor,
-        # which XLA fuses into one all-reduce of two arrays).
-        out["all-reduce"] += _ar(t, row) * (1 + 2 * n_dense + 3 * n_moe)
+        # (dense FFN width; in MoE layers one psum over tensor of the routed and shared experts' partial
+        # sums together, moe.py).
+        out["all-reduce"] += _ar(t, row) * (1 + 2 * n_dense + 2 * n_moe)
     if ep > 1:
-        e_loc = cfg.n_routed_experts // ep
-        if router_gathers:
-            per_tok = 4 * (2 * cfg.n_routed_experts + cfg.n_group + 2 * cfg.topk_group)
-            out["all-gather"] += n_moe * _ag(ep, ep * tokens * per_tok)
-        if moe.choose_dispatch(tokens * ep, OPTIONS) == "all_gather":
+        if moe.choose_dispatch(tokens * ep, options) == "all_gather":
             # Gather the group's tokens (+ routing weights and ids), reduce-scatter the partial outputs.
             out["all-gather"] += n_moe * _ag(ep, ep * (row + tokens * k * 8))
             out["reduce-scatter"] += n_moe * _ag(ep, ep * row)
         else:
-            cap, worst = moe.a2a_capacity(tokens, k, ep, e_loc, OPTIONS.capacity_factor)
+            cap, worst = moe.a2a_capacity(tokens, ep, moe.max_destinations(cfg, ep), options.capacity_factor)
             buf = ep * cap  # C rows per destination, padded: sent whether filled or not
-            out["all-to-all"] += n_moe * _ag(ep, buf * d * act * 2 + buf * 4)  # tokens + ids, results back
+            # There: tokens + their local ids and weights (k x 4 B each); back: one partial sum per row.
+            out["all-to-all"] += n_moe * _ag(ep, buf * (2 * d * act + k * 8))
             if cap < worst:  # the overflow check: a scalar pmax over the batch shards
                 out["all-reduce"] += n_moe * _ar(ep * sizes["data"], 4)
     return dict(out)
 
 
+def deepep_min(cfg: ModelConfig, sizes: dict[str, int], tokens: int) -> float:
+    """The DeepEP-style minimum one device sends per step (module docstring): bf16 dispatch of each
+    (token, expert) pair and bf16 combine, over the expert group (over `tensor` for a pure TP layout)."""
+    g = sizes["expert"] if sizes["expert"] > 1 else sizes["tensor"]
+    if g == 1:
+        return 0.0
+    step_tokens = tokens if sizes["expert"] > 1 else tokens * sizes["data"]
+    return cfg.n_moe_layers * 2 * _ag(g, step_tokens * cfg.num_experts_per_tok * cfg.hidden_size * ACT)
+
+
 def deepep_style(cfg: ModelConfig, sizes: dict[str, int], tokens: int) -> float:
-    """What one device would send per step with DeepEP-style dispatch (FP8 tokens + a fp32 scale per
-    128 values, each (token, expert) pair once, no capacity padding) and BF16 combine; 0 without EP."""
+    """What one device would send per step with DeepEP's low-latency format (FP8 tokens + a fp32 scale
+    per 128 values, each (token, expert) pair once, no capacity padding) and BF16 combine; 0 without EP."""
     ep = sizes["expert"]
     if ep == 1:
         return 0.0
@@ -150,6 +165,14 @@ def _group(line: str, n: int) -> int:
         return int(m.group(2))
     m = re.search(r"source_target_pairs=", line)
     return 2 if m else n
+
+
+def _trips_from_condition(lines: list[str]) -> int:
+    """A scan's trip count from its loop condition (`i < N`, N an s32 constant): the partitioned module
+    is captured before XLA annotates known trip counts. 1 when the condition is not of that form."""
+    consts = [int(m.group(1)) for ln in lines for m in [re.search(r"= s32\[\] constant\(([0-9]+)\)", ln)] if m]
+    lt = any("direction=LT" in ln for ln in lines)
+    return consts[0] if lt and len(consts) == 1 else 1
 
 
 def parse_hlo(text: str, n_devices: int) -> dict[str, float]:
@@ -199,7 +222,9 @@ def parse_hlo(text: str, n_devices: int) -> dict[str, float]:
             w = re.search(r"\bwhile\(.*body=%?([\w.\-]+)", line)
             if w:
                 n = re.search(r'"known_trip_count":\{"n":"([0-9]+)"', line)
-                trips = int(n.group(1)) if n else 1
+                cond = re.search(r"condition=%?([\w.\-]+)", line)
+                trips = int(n.group(1)) if n else _trips_from_condition(comps.get(cond.group(1), []) if cond
+                                                                        else [])
                 for kk, v in total(w.group(1)).items():
                     acc[kk] += trips * v
                 continue
@@ -221,9 +246,27 @@ def parse_hlo(text: str, n_devices: int) -> dict[str, float]:
     return total(entry) if entry else {}
 
 
-def hlo_count(cfg: ModelConfig, spec: str, tokens: int, n_devices: int) -> tuple[dict[str, float], float]:
+PARTITIONED_PASS = "all-reduce-promotion"  # the CPU back end's first pass on the partitioned module
+
+
+def compile_partitioned(fn, args, mesh) -> tuple[str, str]:
+    """(partitioned module text, final CPU module text) of `fn` lowered on `args` under `mesh`: the
+    module XLA dumps just before the CPU back end's `all-reduce-promotion` (see the module docstring)."""
+    with tempfile.TemporaryDirectory() as dump, jax.set_mesh(mesh):
+        compiled = fn.lower(*args).compile(compiler_options={
+            "xla_dump_to": dump, "xla_dump_hlo_pass_re": PARTITIONED_PASS})
+        files = sorted(Path(dump).glob(f"*before_{PARTITIONED_PASS}.txt"))
+        if not files:
+            raise RuntimeError(f"XLA dumped no module before {PARTITIONED_PASS!r}: the CPU pipeline changed; "
+                               f"pick the pass that now follows SPMD partitioning")
+        return files[-1].read_text(), compiled.as_text()
+
+
+def hlo_count(cfg: ModelConfig, spec: str, tokens: int, n_devices: int,
+              options: TraceOptions = OPTIONS) -> tuple[dict[str, float], dict[str, float], float]:
     """Compile one step's forward (`tokens` per batch shard, one new token per sequence at decode) on
-    `spec` with abstract full-width parameters; return (bytes per device by kind, compile seconds)."""
+    `spec` with abstract full-width bf16 parameters; return (bytes per device by kind in the partitioned
+    module, the same in the CPU's final module, compile seconds)."""
     from dsv3_jax import plan
     from dsv3_jax.model.transformer import Transformer
 
@@ -234,15 +277,14 @@ def hlo_count(cfg: ModelConfig, spec: str, tokens: int, n_devices: int) -> tuple
     decode = tokens <= max(DECODE_TOKENS)
     b, t = (shards * tokens, 1) if decode else (shards, tokens)
     tok_sh = sharding.activation_sharding(mesh, "tokens")
-    model = Transformer(cfg, jnp.bfloat16, False)
+    model = Transformer(cfg, jnp.bfloat16, False, trace_options=options)
     fn = jax.jit(lambda p, x: model.apply({"params": p}, x)[0], in_shardings=(p_sh, tok_sh),
                  out_shardings=sharding.activation_sharding(mesh, "logits"))
     args = (jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, p_sh),
             jax.ShapeDtypeStruct((b, t), jnp.int32, sharding=tok_sh))
     t0 = time.perf_counter()
-    with jax.set_mesh(mesh):
-        text = fn.lower(*args).compile().as_text()
-    return parse_hlo(text, n_devices), time.perf_counter() - t0
+    partitioned, final = compile_partitioned(fn, args, mesh)
+    return parse_hlo(partitioned, n_devices), parse_hlo(final, n_devices), time.perf_counter() - t0
 
 
 # --------------------------------------------------------------------------------------- published
@@ -270,27 +312,31 @@ def main(argv: list[str] | None = None) -> int:
     cfg = ModelConfig.preset("deepseek-v3").replace(num_nextn_predict_layers=0)
     rows = []
     print(f"{'mesh':>18} {'dev':>3} {'phase':>7} {'tok/shard':>9} | {'HLO MB':>10} {'count MB':>10} {'ratio':>6} | "
-          f"{'bf16 MB':>10} {'DeepEP-style MB':>15} | {'sampling MB':>11}")
+          f"{'min MB':>10} {'HLO/min':>7} | {'CPU HLO MB':>10} | {'sampling MB':>11}")
     for spec, n in LAYOUTS:
         sizes = sharding.resolve_sizes(spec, n)
         for phase, toks in [("decode", b) for b in DECODE_TOKENS] + [("prefill", PREFILL_TOKENS)]:
             c = count(cfg, sizes, toks)
             r = {"mesh": spec, "devices": n, "phase": phase, "tokens_per_shard": toks, "count": c,
-                 "count_bf16": count(cfg, sizes, toks, act=2, router_gathers=False),
-                 "deepep_style": deepep_style(cfg, sizes, toks),
+                 "deepep_min": deepep_min(cfg, sizes, toks),
+                 "deepep_low_latency_fp8": deepep_style(cfg, sizes, toks),
                  "sampling_gather": sampling_gather(cfg, sizes, toks) if phase == "decode" else 0.0}
             if not a.no_hlo:
-                h, secs = hlo_count(cfg, spec, toks, n)
-                r.update(hlo=h, compile_s=round(secs, 1))
+                h, cpu, secs = hlo_count(cfg, spec, toks, n)
+                r.update(hlo=h, hlo_cpu=cpu, compile_s=round(secs, 1))
             rows.append(r)
             tot = sum(c.values())
             hlo = sum(r["hlo"].values()) if "hlo" in r else float("nan")
+            cpu = sum(r["hlo_cpu"].values()) if "hlo_cpu" in r else float("nan")
+            mn = r["deepep_min"]
             print(f"{spec:>18} {n:>3} {phase:>7} {toks:>9} | {hlo / 1e6:10.1f} {tot / 1e6:10.1f} "
-                  f"{hlo / tot if tot else float('nan'):6.3f} | {sum(r['count_bf16'].values()) / 1e6:10.1f} "
-                  f"{r['deepep_style'] / 1e6:15.1f} | {r['sampling_gather'] / 1e6:11.2f}", flush=True)
+                  f"{hlo / tot if tot else float('nan'):6.3f} | {mn / 1e6:10.1f} "
+                  f"{(hlo if 'hlo' in r else tot) / mn:7.3f} | {cpu / 1e6:10.1f} | "
+                  f"{r['sampling_gather'] / 1e6:11.2f}", flush=True)
     out = {"date": time.strftime("%Y-%m-%d"), "model": "deepseek-v3 (61 layers: 3 dense + 58 MoE), bf16",
-           "convention": "bytes sent per device per step (ring / pairwise)", "rows": rows,
-           "deepep_published": DEEPEP,
+           "convention": "bytes sent per device per step (ring / pairwise)",
+           "hlo": "partitioned module (before the CPU back end's bf16 promotion); hlo_cpu: final CPU module",
+           "rows": rows, "deepep_published": DEEPEP,
            "deepep_low_latency_bytes_128_tokens": deepep_low_latency_bytes(cfg, 128)}
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(json.dumps(out, indent=1))

@@ -24,6 +24,23 @@ def _init(scale: float = 0.02):
     return nn.initializers.normal(stddev=scale)
 
 
+def linear(x: jax.Array, weight: jax.Array, scale: jax.Array | None = None, *, backend: str) -> jax.Array:
+    """y = x @ W^T, W [out, in] (FP8 with its 128x128 block `scale`, or any float dtype): the math of
+    `Linear`, also for callers holding the arrays themselves (moe.py's shared expert inside shard_map)."""
+    if scale is not None:
+        return kernels.fp8_linear(x, weight, scale, backend=backend)
+    return jnp.einsum("...i,oi->...o", x, weight.astype(x.dtype))
+
+
+def swiglu(x: jax.Array, params: dict, *, backend: str) -> jax.Array:
+    """down(silu(gate(x)) * up(x)) from an MLP's parameter dict ({gate,up,down}_proj: {weight[, scale]})."""
+    def lin(h, name):
+        p = params[name]
+        return linear(h, p["weight"], p.get("scale"), backend=backend)
+
+    return lin(jax.nn.silu(lin(x, "gate_proj")) * lin(x, "up_proj"), "down_proj")
+
+
 class RMSNorm(nn.Module):
     dim: int
     eps: float = 1e-6
@@ -62,9 +79,7 @@ class Linear(nn.Module):
         return self.weight.astype(dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        if self.fp8:
-            return kernels.fp8_linear(x, self.weight, self.scale, backend=self.trace_options.kernels)
-        return jnp.einsum("...i,oi->...o", x, self.weight.astype(x.dtype))
+        return linear(x, self.weight, self.scale if self.fp8 else None, backend=self.trace_options.kernels)
 
 
 class MLP(nn.Module):

@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 from dsv3_jax.config import ModelConfig
 from dsv3_jax.model import kernel_dispatch as kernels
 from dsv3_jax.model import layout
-from dsv3_jax.model.layers import MLP
+from dsv3_jax.model.layers import MLP, swiglu
 from dsv3_jax.model.trace_options import TraceOptions
 from dsv3_jax.parallel import sharding
 
@@ -168,11 +168,14 @@ def _ep_all_to_all(x, w, idx, experts, e_loc: int, ep: int, cap: int, backend: s
 
 
 def expert_parallel(x: jax.Array, gate_w: jax.Array, bias: jax.Array, valid: jax.Array, experts: dict,
-                    cfg: ModelConfig, mesh, options: TraceOptions) -> tuple[jax.Array, jax.Array]:
+                    cfg: ModelConfig, mesh, options: TraceOptions,
+                    shared: dict | None = None) -> tuple[jax.Array, jax.Array]:
     """Route and run the routed experts on a mesh: tokens [N, D] (and `valid` [N]) batch-sharded over
     (data, expert), the router replicated (each device routes its own tokens), experts over `expert`,
-    their FFN width over `tensor` (partial sums psum'ed over tensor). Returns (output [N, D], the chosen
-    expert ids [N, k], padding tokens' included); same numbers as one device.
+    their FFN width over `tensor` (partial sums psum'ed over tensor). `shared`: the shared expert's
+    parameters ({gate,up,down}_proj: {weight[, scale]}, width over `tensor`): its partial sum joins the
+    routed one, so one all-reduce over `tensor` carries both. Returns (output [N, D], the chosen expert
+    ids [N, k], padding tokens' included); same numbers as one device.
     `options` gives the dispatch mode, its thresholds and the kernel backend.
     """
     num_experts = cfg.n_routed_experts
@@ -185,12 +188,15 @@ def expert_parallel(x: jax.Array, gate_w: jax.Array, bias: jax.Array, valid: jax
     w_specs = {name: sharding.logical_to_spec(layout.PARAM_AXES[f"mlp/{name}_weight"])
                for name in ("gate_proj", "up_proj", "down_proj")}
     exp_specs = {name: {key: w_specs[name] for key in p} for name, p in experts.items()}
+    shared_specs = None if shared is None else {
+        name: {key: sharding.logical_to_spec(layout.param_axes(f"shared_experts/{name}/{key}", v.ndim))
+               for key, v in p.items()} for name, p in shared.items()}
     n_local = x.shape[0] // sharding.batch_multiple(mesh)
     mode = choose_dispatch(n_local * ep, options)
     cap, worst = a2a_capacity(n_local, ep, max_destinations(cfg, ep), options.capacity_factor)
     backend = options.kernels
 
-    def body(x, gate_w, bias, valid, experts):
+    def body(x, gate_w, bias, valid, experts, shared):
         logits = jnp.einsum("nd,ed->ne", x.astype(jnp.float32), gate_w.astype(jnp.float32))
         w, choice = route(logits, bias, cfg)
         idx = jnp.where(valid[:, None], choice, -1)
@@ -209,12 +215,14 @@ def expert_parallel(x: jax.Array, gate_w: jax.Array, bias: jax.Array, valid: jax
                              lambda *a: _ep_all_gather(*a, e_loc, backend),
                              lambda *a: _ep_all_to_all(*a, e_loc, ep, cap, backend),
                              x, w, idx, experts)
+        if shared is not None:
+            y = y + swiglu(x, shared, backend=backend)
         # Each device computed its FFN slice's partial sum (a no-op reduction when tensor=1).
         return jax.lax.psum(y, "tensor"), choice
 
-    fn = jax.shard_map(body, mesh=mesh, in_specs=(tok, P(), P(), P(tok[0]), exp_specs),
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(tok, P(), P(), P(tok[0]), exp_specs, shared_specs),
                        out_specs=(tok, row))
-    return fn(x, gate_w, bias, valid, experts)
+    return fn(x, gate_w, bias, valid, experts, shared)
 
 
 class MoE(nn.Module):
@@ -246,20 +254,25 @@ class MoE(nn.Module):
         shape = x.shape
         xf = x.reshape(-1, d)
         mesh = jax.sharding.get_abstract_mesh()
-        if mesh.empty or math.prod(sharding.axis_sizes(mesh).values()) == 1:  # one device
+        shared = None
+        if c.n_shared_experts:
+            shared = MLP(d, i * c.n_shared_experts, self.param_dtype, self.fp8, self.trace_options,
+                         name="shared_experts")
+        one_device = mesh.empty or math.prod(sharding.axis_sizes(mesh).values()) == 1
+        if one_device or self.is_initializing():
             logits = jnp.einsum("nd,ed->ne", xf.astype(jnp.float32), gate_w.astype(jnp.float32))
             w, choice = route(logits, bias, c)
             idx = choice if valid is None else jnp.where(valid.reshape(-1, 1), choice, -1)
             out = routed_experts(xf, w, idx, experts, e, backend=self.trace_options.kernels)
+            if shared is not None:
+                out = out + shared(xf)
         else:  # each device routes its own tokens inside the expert-parallel shard_map
             ok = jnp.ones(xf.shape[:1], bool) if valid is None else valid.reshape(-1)
-            out, choice = expert_parallel(xf, gate_w, bias, ok, experts, c, mesh, self.trace_options)
+            shared_params = None if shared is None else shared.variables["params"]
+            out, choice = expert_parallel(xf, gate_w, bias, ok, experts, c, mesh, self.trace_options,
+                                          shared_params)
             idx = choice if valid is None else jnp.where(valid.reshape(-1, 1), choice, -1)
         self.sow("intermediates", "router_choice", choice.reshape(*shape[:-1], -1))
         self.sow("intermediates", "expert_load", jnp.bincount(jnp.where(idx >= 0, idx, e).reshape(-1),
                                                               length=e + 1)[:e])
-        if c.n_shared_experts:
-            shared = MLP(d, i * c.n_shared_experts, self.param_dtype, self.fp8, self.trace_options,
-                         name="shared_experts")
-            out = out + shared(xf)
         return out.reshape(shape)
