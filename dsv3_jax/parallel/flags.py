@@ -181,7 +181,9 @@ def engine_plan(handle: Any, args: argparse.Namespace, *, spec_k: int = 0) -> An
         device_memory=mem, memory_fraction=args.memory_fraction, page_size=cache.PAGE_SIZE,
         form=handle.attention, cache_dtype=getattr(args, "kv_cache_dtype", "auto"), mtp=bool(spec_k),
         max_batched_tokens=getattr(args, "max_batched_tokens", None) or 2048,
-        max_batch=getattr(args, "max_batch", None) or 256, params_or_shapes=handle.params)
+        max_batch=getattr(args, "max_batch", None) or 256, params_or_shapes=handle.params,
+        # the Pallas MLA kernel never materializes scores over the context (plan.activation_estimate)
+        attention_kernel=handle.trace_options.kernels == "pallas" and handle.attention == "absorbed")
 
 
 def engine_defaults(handle: Any, args: argparse.Namespace, *, spec_k: int = 0) -> dict[str, int]:
