@@ -39,11 +39,13 @@ MODEL = "dsv3-default"
 STARTUP_S = 300  # load + compile on a busy 2-core box
 MAX_BATCH = 64  # all 64 concurrent clients in one batch
 THINK_START, THINK_END = 128798, 128799  # ids of "<think>" and "</think>" in the V3.1 tokenizer
+MAX_MODEL_LEN = 1024  # below the model's 2048 context: every request is capped by the flag
 
 
 # The server's flags; `server_engine_config` parses the same ones into the server's EngineConfig.
-SERVER_FLAGS = ["--max-batch", str(MAX_BATCH), "--num-pages", "160", "--chunk-size", "256",
-                "--max-batched-tokens", "256", "--max-pending", "100", "--log-level", "warning",
+SERVER_FLAGS = ["--max-num-seqs", str(MAX_BATCH), "--num-pages", "160", "--chunk-size", "256",
+                "--max-num-batched-tokens", "256", "--max-pending", "100", "--log-level", "warning",
+                "--max-model-len", str(MAX_MODEL_LEN), "--drain-timeout", "60",
                 # Step shapes (4, 4), (64, 64), (256, 64), greedy and full: 6 programs, all warmed at start.
                 "--row-buckets", "4"]
 
@@ -226,7 +228,7 @@ def test_concurrent_streams_equal_solo_outputs(server, handle):
 
 
 def test_disconnect_mid_stream_frees_request(server):
-    body = {"model": MODEL, "prompt": "Tell me a very long story.", "max_tokens": 1500, "stream": True,
+    body = {"model": MODEL, "prompt": "Tell me a very long story.", "max_tokens": 900, "stream": True,
             "temperature": 0, "ignore_eos": True}
     with httpx.Client(timeout=60) as http, http.stream("POST", server + "/v1/completions", json=body) as r:
         assert r.status_code == 200
@@ -238,7 +240,7 @@ def test_disconnect_mid_stream_frees_request(server):
     h = _wait_idle(server, timeout=30)
     assert h["pages_used"] == 0
     text = httpx.get(server + "/metrics", timeout=10).text
-    assert 'dsv3_requests_total{endpoint="completions",outcome="cancelled"} 1.0' in text
+    assert 'vllm:request_success_total{finished_reason="abort",model_name="dsv3-default"} 1.0' in text
 
 
 @pytest.mark.parametrize(("body", "status", "param", "words"), [
@@ -280,19 +282,85 @@ def test_bad_completion_prompts_and_client_errors(server, client):
 
 def test_models_health_and_metrics(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.list().data[0].model_extra["max_model_len"] == MAX_MODEL_LEN
+    assert client.models.retrieve(MODEL).id == MODEL
     assert _health(server)["status"] == "ok"
     text = httpx.get(server + "/metrics", timeout=10).text
     families = {f.name: f for f in text_string_to_metric_families(text)}
-    for name in ("dsv3_requests", "dsv3_prompt_tokens", "dsv3_generation_tokens",
-                 "dsv3_time_to_first_token_seconds", "dsv3_inter_token_latency_seconds", "dsv3_batch_size",
-                 "dsv3_page_usage_ratio", "dsv3_prefix_cache_hit_rate", "dsv3_mtp_acceptance_rate"):
+    for name in ("vllm:request_success", "vllm:prompt_tokens", "vllm:generation_tokens",
+                 "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
+                 "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds",
+                 "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:num_preemptions", "dsv3_batch_size", "http_requests"):
         assert name in families, name
-    ok = sum(s.value for s in families["dsv3_requests"].samples
-             if s.name == "dsv3_requests_total" and s.labels["outcome"] == "ok")
+        assert all(s.labels.get("model_name", MODEL) == MODEL for s in families[name].samples), name
+    assert "dsv3_mtp_acceptance_rate" not in families  # MTP is off: absent, not 0.0
+    ok = sum(s.value for s in families["vllm:request_success"].samples
+             if s.name == "vllm:request_success_total" and s.labels["finished_reason"] in ("stop", "length"))
     assert ok >= 1
-    ttft = [s for s in families["dsv3_time_to_first_token_seconds"].samples if s.name.endswith("_count")]
+    ttft = [s for s in families["vllm:time_to_first_token_seconds"].samples if s.name.endswith("_count")]
     assert ttft[0].value >= 1
     json.dumps(_health(server))  # plain JSON
+
+
+def test_max_model_len_caps_requests(client, handle):
+    """The issue's case: a 1,005-token prompt under --max-model-len 1024 asked for more than fits (before,
+    the flag capped nothing and it was served to 2,048); a prompt beyond it is refused outright."""
+    ids = handle.tokenizer.encode("x " * 1200)[:1005]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=ids, max_tokens=100)
+    assert e.value.body["param"] == "max_tokens"
+    assert f"--max-model-len {MAX_MODEL_LEN}" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=ids + ids[:50], max_tokens=1)
+    assert e.value.body["param"] == "prompt" and f"maximum context length is {MAX_MODEL_LEN}" in \
+        e.value.body["message"]
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt=ids, max_tokens=MAX_MODEL_LEN - len(ids) + 1)
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=MAX_MODEL_LEN - len(ids), temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.usage.prompt_tokens + r.usage.completion_tokens == MAX_MODEL_LEN  # all that fits, no more
+
+
+def test_default_sampling_request(client):
+    """The default request (no temperature: generation_config's 0.6 and top_p 0.95), with logprobs and n:
+    warmed before the port opened (test_nothing_compiles_while_serving checks after all the tests)."""
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "def f(x):"}],
+                                       max_tokens=4, n=2, logprobs=True, top_logprobs=1)
+    assert len(r.choices) == 2 and all(len(c.logprobs.content) == len(c.logprobs.content) for c in r.choices)
+
+
+def test_vllm_style_benchmark_client(server):
+    """benchmarks/serve_client.py (a `vllm bench serve`-like client) against the real server: every
+    request completes, and what the server's metrics counted equals what the client received."""
+    from benchmarks.serve_client import run_bench
+
+    def gen_tokens() -> float:
+        text = httpx.get(server + "/metrics", timeout=10).text
+        fams = {f.name: f for f in text_string_to_metric_families(text)}
+        return sum(s.value for s in fams["vllm:generation_tokens"].samples if s.name.endswith("_total"))
+
+    before = gen_tokens()
+    s = asyncio.run(run_bench(server, model=MODEL, num_prompts=8, input_len=32, output_len=6,
+                              max_concurrency=4, deadline_s=120))
+    assert s["completed"] == 8 and s["failed"] == 0, s["errors"]
+    assert s["output_tokens"] == 48 and s["ttft_s"]["p50"] is not None and s["itl_s"]["max"] is not None
+    _wait_idle(server)
+    assert gen_tokens() - before == 48
+
+
+def test_big_neighbour_does_not_stall_streams(server):
+    """A 5 MB completion body (read, parsed, tokenized: ~1.2M tokens, then refused as too long) while 4
+    streams run: the host work runs on the server's thread pool, so no stream stops for it (before: every
+    stream and /health froze for ~3.5 s). Bound: a stream's largest gap stays under 1 s + 4x its own median
+    gap (the engine steps every few ms here; on a loaded 2-core box a step can take a few hundred ms)."""
+    from benchmarks.serve_client import run_bench
+
+    s = asyncio.run(run_bench(server, model=MODEL, num_prompts=4, input_len=16, output_len=96,
+                              max_concurrency=4, neighbour_bytes=5_000_000, deadline_s=180))
+    assert s["completed"] == 4 and s["neighbour"]["status"] == 400, s
+    worst = max(g - 4 * m for g, m in zip(s["max_gap_per_request_s"], s["median_gap_per_request_s"]))
+    assert worst < 1.0, (s["max_gap_per_request_s"], s["median_gap_per_request_s"], s["neighbour"])
 
 
 def test_logprobs_are_the_engines(client, handle):
@@ -364,3 +432,40 @@ def test_nothing_compiles_while_serving(server_proc, server):
     assert gauges["dsv3_engine_compiles_after_warmup"] == 0
     log = server_proc[2].read_text()
     assert "warmup done: 6 step programs" in log and "6/6" in log
+
+
+def test_two_ctrl_c_exit_cleanly(server_proc, server):
+    """Runs after everything else: SIGINT with a stream in flight drains, a second SIGINT fails the stream
+    at once; the process (real JAX engine thread) exits 0 with no traceback (before: exit 134 and
+    CancelledError tracebacks)."""
+    import signal
+    import threading
+
+    proc, _, log = server_proc
+    out: dict = {}
+    opened = threading.Event()
+
+    def stream() -> None:
+        body = {"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 900, "stream": True,
+                "temperature": 0, "ignore_eos": True}
+        with httpx.Client(timeout=60) as http, \
+                http.stream("POST", server + "/v1/completions", json=body) as r:
+            opened.set()
+            out["text"] = "".join(r.iter_text())
+
+    t = threading.Thread(target=stream, daemon=True)
+    t.start()
+    assert opened.wait(30)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    t.join(60)
+    assert "server shutting down" in out.get("text", ""), out
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"server still running 60 s after two SIGINTs:\n{log.read_text()[-3000:]}")
+    text = log.read_text()
+    assert proc.returncode == 0, text[-3000:]
+    assert "Traceback" not in text and "CancelledError" not in text, text[-3000:]
