@@ -232,3 +232,28 @@ def test_fp8_engine_continuous_batching_equals_alone_and_mtp(fp8_handle):
         eng.step()
     assert [eng.finished[r].output for r in rids] == outs
     assert eng.engine_stats()["mtp_acceptance"] > 0
+
+
+def test_fp8_dp_attention_engine_matches_one_device(tmp_path_factory):
+    """DP attention on 8 virtual devices (data=2, tensor=2, expert=2: 4 batch shards, each its own FP8 page
+    slice) gives one device's FP8-cache tokens with prefix caching and preemption (test_dp_engine's
+    workload), each device holds 1/4 of the uint8 pool, and no compiled step moves FP8 pages."""
+    import dsv3_jax
+    from dsv3_jax.engine.executor import compiled_programs
+    from tests.hf_reference import make_hf_model, save_hf
+    from tests.test_dp_engine import PS, _run
+
+    ckpt = save_hf(make_hf_model("h8e16"), tmp_path_factory.mktemp("h8e16_fp8"))
+    want, _ = _run(dsv3_jax.load(ckpt, kv_cache_dtype="fp8"))
+    handle = dsv3_jax.load(ckpt, mesh="data=2,tensor=2,expert=2", kv_cache_dtype="fp8")
+    got, eng = _run(handle)
+    assert got == want
+    row = fp8_row_bytes(handle.config.kv_lora_rank, handle.config.qk_rope_head_dim)
+    for leaf in jax.tree.leaves(eng.executor.cache):
+        assert leaf.dtype == jnp.uint8 and leaf.shape[-1] == row
+        assert all(s.data.nbytes * 4 == leaf.nbytes for s in leaf.addressable_shards)
+    kv_tail = f",{PS},{row}]"
+    for compiled in compiled_programs(handle).values():
+        moving = [ln for ln in compiled.as_text().splitlines() if kv_tail in ln.split("(")[0] and any(
+            c in ln for c in ("all-gather(", "all-reduce(", "all-to-all(", "collective-permute("))]
+        assert not moving, moving[:2]
