@@ -182,8 +182,10 @@ def engine_plan(handle: Any, args: argparse.Namespace, *, spec_k: int = 0) -> An
         form=handle.attention, cache_dtype=getattr(args, "kv_cache_dtype", "auto"), mtp=bool(spec_k),
         max_batched_tokens=getattr(args, "max_batched_tokens", None) or 2048,
         max_batch=getattr(args, "max_batch", None) or 256, params_or_shapes=handle.params,
-        # the Pallas MLA kernel never materializes scores over the context (plan.activation_estimate)
-        attention_kernel=handle.trace_options.kernels == "pallas" and handle.attention == "absorbed")
+        # the Pallas MLA kernel never materializes scores over the context (plan.activation_estimate); an
+        # FP8 cache is read by the jnp reference (kernel_dispatch) until the kernel takes FP8 pages
+        attention_kernel=handle.trace_options.kernels == "pallas" and handle.attention == "absorbed"
+        and getattr(args, "kv_cache_dtype", "auto") != "fp8")
 
 
 def engine_defaults(handle: Any, args: argparse.Namespace, *, spec_k: int = 0) -> dict[str, int]:
