@@ -257,3 +257,23 @@ def test_fp8_dp_attention_engine_matches_one_device(tmp_path_factory):
         moving = [ln for ln in compiled.as_text().splitlines() if kv_tail in ln.split("(")[0] and any(
             c in ln for c in ("all-gather(", "all-reduce(", "all-to-all(", "collective-permute("))]
         assert not moving, moving[:2]
+
+
+def test_pallas_backend_reads_fp8_pages_through_the_logged_reference(caplog):
+    """Until the Mosaic kernel takes FP8 pages, the dispatch routes them to the jnp reference (logged once),
+    never to the bf16 kernel with misread bytes."""
+    from dsv3_jax.model import kernel_dispatch
+
+    vals = jax.random.normal(jax.random.key(3), (4, 64, 576))
+    fp8 = quantize_kv(vals[..., :512], vals[..., 512:])
+    table = jnp.asarray([[1, 2], [3, 0]], jnp.int32)
+    ql = jax.random.normal(jax.random.key(4), (2, 1, 16, 512))
+    qr = jax.random.normal(jax.random.key(5), (2, 1, 16, 64))
+    start, n = jnp.asarray([90, 10], jnp.int32), jnp.ones((2,), jnp.int32)
+    with caplog.at_level("WARNING"):
+        o, lse = kernel_dispatch.mla_attention(ql, qr, fp8, table, start, n, softmax_scale=0.1,
+                                               backend="pallas")
+    ref, ref_lse = pallas_kernels.mla_prefill_reference(ql, qr, fp8, table, start, n, softmax_scale=0.1)
+    np.testing.assert_array_equal(np.asarray(o), np.asarray(ref))
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(ref_lse))
+    assert "uint8" in caplog.text or kernel_dispatch._log_mla_shape_fallback.cache_info().hits > 0
