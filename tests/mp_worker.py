@@ -1,6 +1,8 @@
 """A worker for tests/test_distributed.py: two processes step a cross-process jitted sum in lockstep,
 process 0 sending each step's arrays through distributed.StepChannel. `--die-after K`: this process
-exits abruptly after step K (a crashed host): its peers must end with a clear error, not hang."""
+exits abruptly after step K (a crashed host): its peers must end with a clear error, not hang.
+`--raise-after K`: this process raises after step K without ending the channel (a leader's uncaught
+error): the channel's exit hook must stop the followers before JAX's shutdown barrier waits for them."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ def main() -> int:
     distributed.add_cli_flags(ap)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--die-after", type=int, default=-1)
+    ap.add_argument("--raise-after", type=int, default=-1)
     a = ap.parse_args()
     distributed.initialize_from_args(a)
     import jax
@@ -39,6 +42,8 @@ def main() -> int:
         distributed.main_print(f"step {step} {y}", flush=True)
         if step == a.die_after:
             os._exit(9)
+        if step == a.raise_after:
+            raise RuntimeError(f"process {jax.process_index()} gives up after step {step}")
         time.sleep(0.1)
     if ch.is_leader:
         ch.close()

@@ -86,3 +86,55 @@ def test_a_dead_leader_ends_the_followers():
         p.communicate(timeout=120)
     assert procs[0].returncode == 9 and procs[1].returncode != 0
     assert time.monotonic() - t0 < 60
+
+
+def test_an_uncaught_error_on_the_leader_stops_the_followers():
+    """Process 0 raises mid-run without finish()/fail(): the channel's exit hook sends the failure, the
+    follower ends with one line naming it, and both exit long before JAX's shutdown barrier (minutes)."""
+    port = free_port()
+    leader_only = ["--raise-after", "1", "--steps", "100"]
+    procs = spawn(lambda i: _worker(port, [])(i) + (leader_only if i == 0 else []))
+    t0 = time.monotonic()
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert procs[0].returncode == 1 and "gives up after step 1" in outs[0][1]
+    assert procs[1].returncode != 0
+    assert "process 0 failed: process 0 exited without ending the lockstep" in outs[1][1], outs[1][1][-2000:]
+    assert time.monotonic() - t0 < 60
+
+
+def test_pack_and_the_stream_handshake():
+    arrays = {"i": np.arange(6, dtype=np.int32).reshape(2, 3), "f": np.float32(0.25), "b": np.array([True]),
+              "u8": np.frombuffer(b"Step", np.uint8), "empty": np.zeros((0, 4), np.int64),
+              "strided": np.arange(10, dtype=np.float64)[::3]}
+    back = distributed.unpack(distributed.pack(arrays))
+    assert list(back) == list(arrays)
+    for k, v in arrays.items():
+        assert back[k].dtype == np.asarray(v).dtype and back[k].shape == np.shape(v)
+        np.testing.assert_array_equal(back[k], v)
+        assert back[k].flags.writeable
+    with pytest.raises(distributed.DistributedError, match="'o'.*not a plain number"):
+        distributed.pack({"o": np.array([object()])})
+
+    # Process 0's accept loop takes only connections presenting the published token and a follower index;
+    # a stray connection is dropped, not counted.
+    import socket
+
+    ch = distributed.StepChannel.__new__(distributed.StepChannel)
+    ch.me, ch.n, ch.name = 0, 3, "t"
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        clients = [socket.create_connection(("127.0.0.1", port)) for _ in range(4)]
+        for c, hello in zip(clients, [b"wrong 1\n", b"tok 2\n", b"tok 0\n", b"tok 1\n"], strict=True):
+            c.sendall(hello)
+        peers = ch._accept(server, "tok", time.monotonic() + 20)
+        assert len(peers) == 2
+        peers[0].sendall(b"to 1")
+        assert clients[3].recv(4) == b"to 1"
+        assert clients[0].recv(4) == b""  # the stray one was closed
+        ch2 = distributed.StepChannel.__new__(distributed.StepChannel)
+        ch2.me, ch2.n, ch2.name = 0, 2, "t"
+        with pytest.raises(distributed.DistributedError, match=r"processes \[1\] did not open"):
+            ch2._accept(server, "tok", time.monotonic() + 0.2)
+        for s in clients + peers:
+            s.close()
+

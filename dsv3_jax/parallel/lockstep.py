@@ -14,7 +14,9 @@ returns a `Lockstep` over the process's channel (None in a one-process run). The
 then, after loading the model, either sets `handle.executor_factory = lockstep.executor` (process 0:
 every Engine built over that handle, including a server's fresh one after a failure, sends `Build`
 before it allocates, so all processes allocate together, as a cross-process mesh requires) or calls
-`lockstep.follow(handle)` (the others). Process 0 ends the followers with `finish()` or `fail(message)`.
+`lockstep.follow(handle)` (the others). Process 0 ends the followers with `finish()` or `fail(message)`;
+one that exits without either fails them on its way out (the channel's exit hook), so no process is left
+waiting for a message that never comes while the other sits in JAX's shutdown barrier.
 
 Messages travel as dicts of numpy arrays (distributed.pack), encoded by field name: a StepKey as one
 array per field, an EngineConfig as JSON of `dataclasses.asdict`, restored with each field's declared
