@@ -6,7 +6,8 @@ channel builds only a DeviceExecutor (no page pool, no scheduler), replays every
 leader's cache, bit for bit. On two processes: `python -m dsv3_jax.generate` started as two local CPU
 processes (jax.distributed on a loopback coordinator, 4 devices each, one mesh over all 8) gives the
 tokens of one process; process 0 alone prints results and the plan; the other replays process 0's engine
-steps (lockstep.follow)."""
+steps (lockstep.follow). `python -m dsv3_jax.serve` on two processes with MTP drafts answers the official
+OpenAI client on loopback with one process's greedy tokens, and both processes exit 0 on one SIGINT."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ import ast
 import collections
 import json
 import re
+import signal
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -182,3 +185,57 @@ def test_generate_on_two_processes_matches_one(tmp_path):
     want = handle.generate([handle.tokenizer.encode(p) for p in PROMPTS], max_new_tokens=6, temperature=0)
     assert [r["token_ids"] for r in rows] == [w.token_ids for w in want]
     assert np.mean([len(w.token_ids) for w in want]) > 1
+
+
+@pytest.mark.slow
+def test_serve_on_two_processes_with_mtp_answers_an_openai_client():
+    """Process 0 serves HTTP (loopback, a free port) and schedules; process 1 replays its steps. Greedy
+    answers equal one process's on the same mesh, MTP drafts were proposed (the server's counters), and one
+    SIGINT to process 0 drains it, ends the lockstep and exits both with 0. Every wait is bounded."""
+    openai = pytest.importorskip("openai", reason="the serve test needs the serving extras (pip install -e "
+                                 "'.[test]')")
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    port, http = free_port(), free_port()
+    argv = [sys.executable, "-m", "dsv3_jax.serve", "--host", "127.0.0.1", "--port", str(http),
+            "--mesh", MESH,
+            "--dtype", "float32", "--num-speculative-tokens", "1", "--max-num-seqs", "4", "--num-pages", "64",
+            "--max-num-batched-tokens", "64", "--chunk-size", "32", "--row-buckets", "4", "--max-model-len",
+            "512", "--enforce-eager", "--log-level", "warning", "--drain-timeout", "10",
+            "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--peer-timeout", "60"]
+    procs = spawn(lambda i: [*argv, "--process-id", str(i)], devices=4)
+    base = f"http://127.0.0.1:{http}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert all(p.poll() is None for p in procs), [p.communicate(timeout=30)[1][-3000:] for p in procs]
+            assert time.monotonic() < deadline, "the two-process server did not answer /health in 300 s"
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=240)
+        r = client.completions.create(model="dsv3-default", prompt=PROMPTS[0], max_tokens=8, temperature=0,
+                                      extra_body={"return_token_ids": True})
+        chunks = list(client.completions.create(model="dsv3-default", prompt=PROMPTS[1], max_tokens=8,
+                                                temperature=0, stream=True))
+        metrics = httpx.get(base + "/metrics", timeout=30).text
+        procs[0].send_signal(signal.SIGINT)
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(30)
+    assert [p.returncode for p in procs] == [0, 0], outs[0][1][-3000:] + outs[1][1][-3000:]
+    drafts = [float(ln.split()[-1]) for ln in metrics.splitlines()
+              if ln.startswith("vllm:spec_decode_num_draft_tokens_total")]
+    assert drafts and sum(drafts) > 0, "no MTP drafts were proposed"
+
+    handle = dsv3_jax.load(None, mesh=MESH, dtype="float32")  # one process, the same 8-device mesh
+    want = handle.generate([handle.tokenizer.encode(p) for p in PROMPTS[:2]], max_new_tokens=8, temperature=0)
+    assert r.choices[0].model_extra["token_ids"] == want[0].token_ids
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want[1].text
+
