@@ -7,8 +7,8 @@ overall deadline); a failed request is counted, never retried.
     python benchmarks/serve_client.py --base-url http://127.0.0.1:8000 --num-prompts 64 --max-concurrency 16 \
         --input-len 128 --output-len 64 [--api-key KEY] [--neighbour-bytes 5000000] [--json OUT]
 
-`--neighbour-bytes N` also sends one completion with an N-byte prompt in the middle of the run (the stall
-test of issue 31: the streams' max inter-token gap must stay bounded while the server reads and tokenizes
+`--neighbour-bytes N` also sends one completion with an N-byte prompt once every concurrent stream has its
+first token (the stall test of issue 31: the streams' max inter-token gap must stay bounded while the server reads and tokenizes
 it). Prints a short table last; `--json` writes every number.
 """
 
@@ -39,8 +39,10 @@ class RequestResult:
 
 
 async def stream_completion(http: httpx.AsyncClient, base_url: str, body: dict[str, Any], *,
-                            headers: dict[str, str] | None = None, timeout_s: float = 120.0) -> RequestResult:
-    """One streamed /v1/completions request: arrival-relative chunk times, usage from the last chunk."""
+                            headers: dict[str, str] | None = None, timeout_s: float = 120.0,
+                            on_first_token: Any = None) -> RequestResult:
+    """One streamed /v1/completions request: arrival-relative chunk times, usage from the last chunk;
+    `on_first_token()` is called when the first text arrives."""
     body = {**body, "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     res = RequestResult(ok=False)
@@ -65,6 +67,8 @@ async def stream_completion(http: httpx.AsyncClient, base_url: str, body: dict[s
                         now = time.perf_counter()
                         if last is None:
                             res.ttft_s = now - t0
+                            if on_first_token is not None:
+                                on_first_token()
                         else:
                             res.gaps_s.append(now - last)
                         last = now
@@ -91,16 +95,25 @@ async def run_bench(base_url: str, *, model: str, num_prompts: int, input_len: i
     sem = asyncio.Semaphore(max_concurrency)
     rng = np.random.default_rng(seed)
     neighbour: dict[str, Any] = {}
+    flowing = asyncio.Event()  # every concurrent stream has its first token
+    first = [0]
+
+    def first_token() -> None:
+        first[0] += 1
+        if first[0] >= min(num_prompts, max_concurrency):
+            flowing.set()
+
     limits = httpx.Limits(max_connections=max_concurrency + 2)
     async with httpx.AsyncClient(timeout=httpx.Timeout(120.0), limits=limits) as http:
         async def one(p: list[int]) -> RequestResult:
             async with sem:
                 body = {"model": model, "prompt": p, "max_tokens": output_len, "temperature": 0,
                         "ignore_eos": True}
-                return await stream_completion(http, base_url, body, headers=headers)
+                return await stream_completion(http, base_url, body, headers=headers,
+                                               on_first_token=first_token)
 
         async def big() -> None:
-            await asyncio.sleep(0.5)  # once the streams are flowing
+            await flowing.wait()  # once the streams are flowing: the stall shows in their gaps, not TTFT
             text = ("All work and no play makes Jack a dull boy. " * (neighbour_bytes // 44 + 1))[:neighbour_bytes]
             t0 = time.perf_counter()
             r = await http.post(base_url + "/v1/completions", headers=headers, timeout=120,

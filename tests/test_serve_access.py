@@ -299,3 +299,32 @@ def test_tool_calls_in_both_formats_and_undeclared_names(tokenizer, fmt):
             assert streamed == {0: {"name": "get_weather", "arguments": args}}
     finally:
         runner.stop()
+
+
+def test_encode_batch_equals_encode_and_frees_the_gil(tokenizer):
+    """The server tokenizes through `encode_batch` (the backend's batch call releases the GIL; `encode`
+    holds it): the same ids, and another thread keeps running while a long text is tokenized."""
+    import threading
+
+    texts = ["", "hello world", "def f(x):\n    return x  # ünïcödé 中文", "<｜User｜>hi"]
+    assert tokenizer.encode_batch(texts) == [tokenizer.encode(t) for t in texts]
+    assert tokenizer.encode_batch(texts, add_bos=False) == [tokenizer.encode(t, add_bos=False) for t in texts]
+    long = "All work and no play makes Jack a dull boy. " * 20000  # ~0.9 MB, ~0.2M tokens
+    done, ticks = threading.Event(), []
+
+    def ticker():
+        while not done.is_set():
+            ticks.append(time.perf_counter())
+            time.sleep(0.002)
+
+    t = threading.Thread(target=ticker)
+    t.start()
+    t0 = time.perf_counter()
+    tokenizer.encode_batch([long])
+    elapsed = time.perf_counter() - t0
+    done.set()
+    t.join()
+    gaps = [b - a for a, b in zip(ticks, ticks[1:])]
+    # Holding the GIL, the ticker would stop for the whole call; released, it only waits for the list
+    # of ids to be built at the end (a small share of the call).
+    assert max(gaps) < 0.5 * elapsed, (max(gaps), elapsed)

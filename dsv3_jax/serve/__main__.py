@@ -299,6 +299,9 @@ def run_server(app: Any, runner: Any, *, host: str, port: int, drain_timeout: fl
 
 
 def main(argv: list[str] | None = None) -> int:
+    # The server tokenizes one request per call on its own threads: the tokenizer's internal thread pool
+    # would only compete with them (and makes it warn about forks).
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     args = _parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -42,7 +42,7 @@ from dsv3_jax.serve import protocol as P
 from dsv3_jax.serve.metrics import CONTENT_TYPE, Metrics
 from dsv3_jax.serve.parsers import ChatOutputParser, detect_tool_format, tool_description
 from dsv3_jax.serve.runner import EngineDown, EngineRunner, Overloaded, Submission
-from dsv3_jax.text.chat import encode_chat
+from dsv3_jax.text.chat import apply_chat_template, encode_chat
 
 log = logging.getLogger(__name__)
 request_log = logging.getLogger("dsv3_jax.serve.requests")  # one line per finished request
@@ -206,12 +206,16 @@ class Service:
             block = tool_description([t.model_dump() for t in tools], self.tool_format)
             messages.append({"role": "system", "content": block})
         try:
-            return encode_chat(self.tokenizer, messages, add_generation_prompt=True, **kwargs)
+            text = apply_chat_template(self.tokenizer, messages, add_generation_prompt=True, **kwargs)
+            return self.tokenizer.encode_batch([text], add_bos=False)[0]  # as encode_chat, GIL released
         except (ValueError, TypeError, jinja2.TemplateError) as e:
             raise P.RequestError(f"chat template: {e}", "messages") from e
 
     def encode_prompts(self, prompts: list[str | list[int]]) -> list[list[int]]:
-        return [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        """Token ids of each prompt (`encode_batch`: the tokenizer releases the GIL meanwhile)."""
+        texts = [p for p in prompts if isinstance(p, str)]
+        encoded = iter(self.tokenizer.encode_batch(texts) if texts else [])
+        return [next(encoded) if isinstance(p, str) else list(p) for p in prompts]
 
     def params(self, req: P._SamplingRequest, prompt: list[int], first_index: int,
                prompt_param: str) -> list[RequestParams]:
