@@ -35,7 +35,12 @@ from dsv3_jax.engine.api import (
     pages_needed,
 )
 from dsv3_jax.engine.core import Engine
-from dsv3_jax.engine.sampling import apply_defaults, validate_sampling_params
+from dsv3_jax.engine.sampling import (
+    LogitsProcessing,
+    apply_defaults,
+    validate_processing,
+    validate_sampling_params,
+)
 from dsv3_jax.model import kv_cache
 from dsv3_jax.parallel import sharding
 from dsv3_jax.text.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -47,7 +52,10 @@ from dsv3_jax.text.tokenizer import IncrementalDetokenizer, Tokenizer
 class RequestParams:
     """One request's settings, every default already applied: sampling (temperature 0 = greedy), length,
     seed, stop strings, `logprobs` = how many top alternatives to return with each token's logprob (None:
-    no logprobs), and the token ids that end it (`eos`, empty: none)."""
+    no logprobs), the token ids that end it (`eos`, empty: none; stop_token_ids join them), the logits
+    processors (`processing`: penalties, logit_bias, min_p, min_tokens; engine/sampling.py), a structured
+    output grammar (`structured`: structured.Grammar, None: free text) and whether a stop string that
+    ends the text stays in it (`include_stop_str_in_output`)."""
 
     max_new_tokens: int = 64
     temperature: float = 1.0
@@ -57,21 +65,35 @@ class RequestParams:
     stop: tuple[str, ...] = ()
     logprobs: int | None = None
     eos: tuple[int, ...] = ()
+    processing: LogitsProcessing = LogitsProcessing()
+    structured: Any = None  # structured.Grammar
+    include_stop_str_in_output: bool = False
 
     def engine_kwargs(self) -> dict[str, Any]:
-        """The keyword arguments of `EngineProtocol.add_request`."""
-        return {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature, "top_p": self.top_p,
-                "top_k": self.top_k, "seed": self.seed, "eos": list(self.eos), "logprobs": self.logprobs}
+        """The keyword arguments of `EngineProtocol.add_request` (processing and a fresh constraint only
+        when the request has them). A structured request gets a new matcher on each call."""
+        kw = {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature, "top_p": self.top_p,
+              "top_k": self.top_k, "seed": self.seed, "eos": list(self.eos), "logprobs": self.logprobs}
+        if self.processing.active:
+            kw["processing"] = self.processing
+        if self.structured is not None:
+            kw["constraint"] = self.structured.constraint()
+        return kw
 
 
 def resolve(defaults: Mapping[str, Any], *, max_new_tokens: Any, temperature: Any = None, top_p: Any = None,
             top_k: Any = None, seed: Any = 0, stop: Sequence[str] = (), logprobs: Any = None,
-            eos: Sequence[int] = ()) -> RequestParams:
+            eos: Sequence[int] = (), stop_token_ids: Sequence[int] = (),
+            processing: LogitsProcessing | None = None, structured: Any = None,
+            include_stop_str_in_output: bool = False) -> RequestParams:
     """The one place a request's parameters are resolved: None takes the checkpoint's generation_config
-    default (`defaults`, see sampling.apply_defaults). Values are not checked here (`check` does)."""
+    default (`defaults`, see sampling.apply_defaults); `stop_token_ids` end the request like `eos`.
+    Values are not checked here (`check` does)."""
     t, p, k = apply_defaults(defaults, temperature, top_p, top_k)
+    ends = tuple(dict.fromkeys(int(e) for e in (*eos, *stop_token_ids)))
     return RequestParams(_plain(max_new_tokens), _plain(t), _plain(p), _plain(k), _plain(seed),
-                         tuple(s for s in stop if s), _plain(logprobs), tuple(int(e) for e in eos))
+                         tuple(s for s in stop if s), _plain(logprobs), ends,
+                         processing or LogitsProcessing(), structured, bool(include_stop_str_in_output))
 
 
 def _plain(x: Any) -> Any:
@@ -110,7 +132,8 @@ class Limits:
 
 class RequestInvalid(ValueError):
     """A request no engine could run. `field`: the parameter at fault ("prompt", "max_new_tokens",
-    "logprobs", or None for a sampling value, which the message names)."""
+    "logprobs", a logits processor's name, e.g. "min_p" or "logit_bias", or None for a sampling value,
+    which the message names)."""
 
     def __init__(self, message: str, field: str | None):
         super().__init__(message)
@@ -126,6 +149,14 @@ def check(prompt: Sequence[int], params: RequestParams, limits: Limits, *, what:
         validate_sampling_params(p.temperature, p.top_p, p.top_k, seed=p.seed)
     except ValueError as e:
         raise RequestInvalid(str(e), None) from None
+    try:
+        validate_processing(p.processing, limits.vocab_size, p.eos, p.max_new_tokens)
+    except ValueError as e:  # each message starts with the field's name
+        raise RequestInvalid(str(e), str(e).split()[0].rstrip(":")) from None
+    bad = [e for e in p.eos if not 0 <= e < limits.vocab_size]
+    if bad:
+        raise RequestInvalid(f"stop_token_ids: {bad[0]} is outside the vocabulary [0, {limits.vocab_size})",
+                             "stop_token_ids")
     kw = dict(vocab_size=limits.vocab_size, context=limits.capacity, spec_k=limits.spec_k, what=what)
     try:
         check_request(prompt, p.max_new_tokens, logprobs=p.logprobs, **kw)
@@ -173,10 +204,12 @@ def batch_params(n: int, defaults: Mapping[str, Any], *, max_new_tokens: Any = 6
 
 class StopMatcher:
     """Cuts streamed text at the first stop string, holding back a tail that could still start one (so
-    no piece of a stop string is ever emitted); the pieces concatenate to the cut text."""
+    no piece of a stop string is ever emitted, unless `include` keeps the stop string that ends the text);
+    the pieces concatenate to the cut text."""
 
-    def __init__(self, stops: Sequence[str] = ()):
+    def __init__(self, stops: Sequence[str] = (), include: bool = False):
         self.stops = [s for s in stops if s]
+        self.include = include
         self.stopped = False
         self._held = ""
 
@@ -187,10 +220,11 @@ class StopMatcher:
         if not self.stops:
             return piece
         buf = self._held + piece
-        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, -len(s)) for i, s in ((buf.find(s), s) for s in self.stops) if i >= 0]
         if hits:
             self.stopped, self._held = True, ""
-            return buf[: min(hits)]
+            i, minus_len = min(hits)  # the earliest; of those starting there, the longest
+            return buf[: i - minus_len] if self.include else buf[:i]
         keep = held_tail(buf, self.stops)
         self._held = buf[len(buf) - keep:]
         return buf[: len(buf) - keep]
@@ -239,7 +273,9 @@ class RequestStream:
             raise ValueError("stop strings need a tokenizer (this checkpoint has none)")
         self.params = params
         self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens) if tokenizer is not None else None
-        self.stop = StopMatcher(params.stop)
+        self.stop = StopMatcher(params.stop, params.include_stop_str_in_output)
+        # vLLM: stop strings are looked for only in text after the first min_tokens tokens.
+        self.min_tokens = params.processing.min_tokens
         self.token_ids: list[int] = []
         self.text = ""
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
@@ -260,8 +296,10 @@ class RequestStream:
             self.logprobs += d.logprobs
         if self.detok is not None:
             pieces = []
-            for tok in d.token_ids:
-                pieces.append(self.stop.feed(self.detok.add(tok)))
+            for k, tok in enumerate(d.token_ids):
+                piece = self.detok.add(tok)
+                before_min = len(self.token_ids) - len(d.token_ids) + k < self.min_tokens
+                pieces.append(piece if before_min else self.stop.feed(piece))
                 if self.stop.stopped:
                     break
             d.text = "".join(pieces)

@@ -21,6 +21,14 @@ host lays out and enqueues the next step while the device runs; only the sampled
 when asked) come back. `step()` therefore returns events one device step late; `run()` drains.
 Speculative steps (spec_k > 0) run synchronously: the next schedule needs the acceptance count.
 
+Logits processors and structured outputs: `add_request(processing=sampling.LogitsProcessing(...))` runs
+penalties, logit_bias, min_p and min_tokens on the device inside the step (step.py keeps the per-slot
+counts); `constraint=` (structured.Constraint or anything with `fill_bitmask(out)`, `advance(token)` and
+`error`) limits each sampled token to a grammar: the host fills the row's bitmask while the previous step
+runs (a constrained row waits for its token to be committed, scheduler.py) and advances the matcher with
+each committed token. Such requests never take MTP drafts (their next token's mask and counts depend on
+the one before).
+
 Speculative decoding (k drafts from the MTP head, k <= 3 reusing the one MTP layer): each decode row
 feeds [last token, d_1..d_k]; the main model scores all k+1 positions in one forward; drafts are
 accepted left to right (sampling.speculative_sample); rejected positions are rolled back by moving the
@@ -47,7 +55,7 @@ from dsv3_jax.engine.api import (
 )
 from dsv3_jax.engine.executor import DeviceExecutor, Executor, batch_shards
 from dsv3_jax.engine.paging import OutOfPages, PagePool, page_hashes
-from dsv3_jax.engine.sampling import validate_sampling_params
+from dsv3_jax.engine.sampling import LogitsProcessing, validate_processing, validate_sampling_params
 from dsv3_jax.engine.scheduler import Request, Scheduler
 
 
@@ -91,7 +99,9 @@ class Engine:
         self._counters: dict[str, Any] = {
             "steps": 0, "batch_sizes": deque(maxlen=recent), "tokens": deque(maxlen=recent),
             "padded_tokens": deque(maxlen=recent), "sum_rows": 0, "sum_tokens": 0, "sum_padded": 0,
-            "peak_page_usage": 0.0, "preemptions": 0, "spec_proposed": 0, "spec_accepted": 0}
+            "peak_page_usage": 0.0, "preemptions": 0, "spec_proposed": 0, "spec_accepted": 0,
+            "mask_s": 0.0}  # host seconds spent filling grammar bitmasks
+        self.mask_words = -(-handle.config.vocab_size // 32)
         self.stats: ChainMap[str, Any] = ChainMap(self._counters, executor.stats)
 
     # ------------------------------------------------------------------ queues (scheduler's)
@@ -110,20 +120,29 @@ class Engine:
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: Sequence[int], *, max_new_tokens: int = 64, temperature: float = 0.0,
                     top_p: float = 1.0, top_k: int = 0, seed: int = 0, eos: Sequence[int] = (),
-                    logprobs: int | None = None) -> int:
+                    logprobs: int | None = None, processing: LogitsProcessing | None = None,
+                    constraint: Any = None) -> int:
+        """Queue a request; `processing`: its logits processors (None or all defaults: none); `constraint`:
+        a structured-output matcher (module docstring). Returns its id."""
         prompt = [int(t) for t in prompt]
         mc = self.handle.config
         check_request(prompt, max_new_tokens, vocab_size=mc.vocab_size, context=mc.max_position_embeddings,
                       spec_k=self.cfg.spec_k, logprobs=logprobs)
         validate_sampling_params(temperature, top_p, top_k, seed=seed)  # seeds live in int32 arrays
+        eos_set = frozenset(int(e) for e in eos)
+        if processing is not None and not processing.active:
+            processing = None
+        if processing is not None:
+            validate_processing(processing, mc.vocab_size, eos_set, max_new_tokens)
         need = pages_needed(len(prompt), max_new_tokens, self.cfg.spec_k, self.cfg.page_size)
         if need > self.pool.pages_per_shard - 1:
             where = f" per batch shard (of {self.pool.shards})" if self.pool.shards > 1 else ""
             raise ValueError(f"request needs {need} pages of {self.cfg.page_size} tokens but the pool has "
                              f"{self.pool.pages_per_shard - 1}{where}: it could never run")
         r = Request(next(self.sched.ids), prompt, max_new_tokens, float(temperature), float(top_p),
-                    int(top_k), int(seed), frozenset(int(e) for e in eos), logprobs=logprobs,
-                    arrival=self.clock())
+                    int(top_k), int(seed), eos_set, logprobs=logprobs, arrival=self.clock(),
+                    processing=processing, table=processing.table(eos_set) if processing else (),
+                    constraint=constraint)
         self.waiting.append(r)
         return r.rid
 
@@ -169,7 +188,15 @@ class Engine:
             return events
         batch = step.build([row for _, row in plan], spec_k=self.cfg.spec_k, shapes=self.shapes,
                            width=self.width, logprobs=any(r.logprobs is not None for r, _ in plan),
-                           num_shards=self._shards, scratch_slot=self.cfg.max_batch)
+                           num_shards=self._shards, scratch_slot=self.cfg.max_batch,
+                           mask_words=self.mask_words)
+        if batch.key.mask_words:  # while the previous step runs on the device (pipelined)
+            t0 = time.perf_counter()
+            bitmask = batch.view("bitmask")
+            for (r, row), i in zip(plan, batch.row_index, strict=True):
+                if r.constraint is not None and row.final:
+                    r.constraint.fill_bitmask(bitmask[i])
+            self.stats["mask_s"] += time.perf_counter() - t0
         for r, row in plan:
             r.computed += row.n
             r.pending += row.final
@@ -207,16 +234,18 @@ class Engine:
                   modes: Sequence[str] = ("greedy", "full")) -> list[step.StepKey]:
         """The step programs a load of at most `max_rows` sequences per step and `max_tokens` tokens per
         batch shard can use (default: any load this engine admits), in `modes` ("greedy": argmax only;
-        "full": some row samples or asks for logprobs)."""
+        "full": some row samples, asks for logprobs or has logits processors; "masked": full with a
+        constrained row's grammar bitmask, used only by structured-output requests)."""
         c = self.cfg
-        bad = set(modes) - {"greedy", "full"}
+        bad = set(modes) - {"greedy", "full", "masked"}
         if bad:
-            raise ValueError(f"modes must be 'greedy' and/or 'full', got {sorted(bad)}")
+            raise ValueError(f"modes must be among 'greedy', 'full', 'masked', got {sorted(bad)}")
         pairs = self.shapes.reachable(min(max_tokens or c.max_batched_tokens, c.max_batched_tokens),
                                       min(max_rows or c.max_batch, c.max_batch))
         d = self._shards
-        return [step.StepKey(n * d, s * d, self.width, c.spec_k, m == "full")
-                for n, s in pairs for m in ("greedy", "full") if m in modes]
+        return [step.StepKey(n * d, s * d, self.width, c.spec_k, m != "greedy",
+                             self.mask_words if m == "masked" else 0)
+                for n, s in pairs for m in ("greedy", "full", "masked") if m in modes]
 
     def warmup(self, max_rows: int | None = None, max_tokens: int | None = None,
                modes: Sequence[str] = ("greedy", "full"),
@@ -262,6 +291,9 @@ class Engine:
                 if tok in r.eos:
                     r.finish_reason = FinishReason.STOP
                     break
+                if r.constraint is not None and not r.constraint.advance(tok):
+                    r.finish_reason, r.error = FinishReason.ERROR, f"structured output: {r.constraint.error}"
+                    break
                 r.output.append(tok)
                 emitted.append(tok)
                 r.token_times.append(now)
@@ -270,6 +302,9 @@ class Engine:
                     top = list(zip(out["top_ids"][i, jj, :n_top].tolist(),
                                    out["top_logprobs"][i, jj, :n_top].tolist(), strict=True))
                     lps.append(TokenLogprob(tok, float(out["logprob"][i, jj]), top))
+                if r.constraint is not None and r.constraint.done:
+                    r.finish_reason = FinishReason.STOP  # the grammar is complete: only EOS could follow
+                    break
                 if len(r.output) >= r.max_new_tokens:
                     r.finish_reason = FinishReason.LENGTH
                     break
@@ -277,13 +312,13 @@ class Engine:
             if r.first_token_at is None and (emitted or r.finish_reason):
                 r.first_token_at = now
             self._register(r, row.start + row.n - row.ndraft + accepted, ps)
-            if self.cfg.spec_k and not r.done:
+            if self.cfg.spec_k and not r.done and r.processing is None and r.constraint is None:
                 r.drafts = out["drafts"][i].tolist()
             if r.done:
                 reason, r.finish_reason = r.finish_reason, None
-                self._finish(r, reason)
+                self._finish(r, reason, r.error)
             events.append(StepEvent(r.rid, emitted, r.done, r.finish_reason,
-                                    lps if r.logprobs is not None else None))
+                                    lps if r.logprobs is not None else None, r.error))
         return events
 
     def _register(self, r: Request, upto: int, ps: int) -> None:
@@ -319,6 +354,7 @@ class Engine:
                 "mtp_acceptance": s["spec_accepted"] / prop if prop else None,
                 "compiles": s["compiles"], "compile_s": s["compile_s"],
                 "compiles_after_warmup": s["compiles_after_warmup"], "programs_loaded": s["programs_loaded"],
+                "mask_s": s["mask_s"],
                 # a long prompt's progress: prompt tokens not yet in the cache (running and waiting)
                 "prefill_tokens_pending": sum(max(len(r.prompt) - r.computed, 0)
                                               for r in (*self.waiting, *self.running))}

@@ -5,8 +5,19 @@ distribution (`probs_after_filtering`), `sample`, the engine's per-row keys (`ro
 verification (`speculative_sample`: accept drafts left to right, rejection-resample the first refused
 one), per-token log-probabilities (`token_logprobs`, at most engine/api.MAX_LOGPROBS alternatives), and
 a checkpoint's `generation_config.json` defaults: reading them and applying them to a request's values
-(`apply_defaults`, the one place; request_stream.resolve calls it). Does not own the decode loop or
-stop conditions.
+(`apply_defaults`, the one place; request_stream.resolve calls it), and the logits processors
+(`LogitsProcessing`: one request's repetition / presence / frequency penalties, min_p, logit_bias and
+min_tokens, their validation and the sparse per-request table they become; `process_logits`: the device
+math applied to a batch's logits inside the step, vLLM's semantics and order). Does not own the decode
+loop, stop conditions or where the per-request counts live (step.py keeps them on the device).
+
+Logits processors, in vLLM's order: the grammar bitmask (disallowed tokens -inf), min_tokens (the
+request's stop tokens -inf until it has min_tokens output tokens) and logit_bias (added), then
+repetition_penalty (tokens seen in the prompt or the output: positive logits divided by it, negative ones
+multiplied), frequency_penalty (minus penalty x count in the output) and presence_penalty (minus penalty
+if it occurs in the output); greedy takes the argmax of the result; sampling then scales by temperature,
+drops tokens whose probability is below min_p x the most likely one's, then top-k / top-p as below.
+Log-probabilities stay those of the raw logits (vLLM's default).
 
 Order of operations, as in transformers and DeepSeek's reference: logits / temperature, keep the top_k
 most likely tokens (0 = no limit), then keep the smallest set of those whose probability reaches top_p
@@ -262,6 +273,129 @@ def token_logprobs(logits: jax.Array, chosen: jax.Array, top: int = MAX_LOGPROBS
         pad = [(0, 0)] * (lp.ndim - 1) + [(0, top - lp.shape[-1])]
         top_lp, top_ids = jnp.pad(top_lp, pad, constant_values=-jnp.inf), jnp.pad(top_ids, pad)
     return jnp.take_along_axis(lp, chosen[..., None], -1)[..., 0], top_ids.astype(jnp.int32), top_lp
+
+
+# ------------------------------------------------------------------------------------ logits processors
+TABLE_WIDTH = 512  # sparse per-request entries (logit_bias + stop tokens under min_tokens) the device keeps
+MAX_LOGIT_BIAS = 300  # entries one request's logit_bias may hold (OpenAI's bound)
+LOGIT_BIAS_RANGE = 100.0  # OpenAI: each bias lies in [-100, 100]
+
+
+@dataclasses.dataclass(frozen=True)
+class LogitsProcessing:
+    """One request's logits processors (the module docstring gives their semantics and order). The
+    defaults change nothing; a request whose values are all default has no processing (`active` False)
+    and keeps the engine's fast paths."""
+
+    repetition_penalty: float = 1.0  # > 0; 1 = off
+    presence_penalty: float = 0.0  # [-2, 2]
+    frequency_penalty: float = 0.0  # [-2, 2]
+    min_p: float = 0.0  # [0, 1]; 0 = off
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100])
+    min_tokens: int = 0  # stop tokens (EOS, stop_token_ids) are suppressed until this many are out
+
+    @property
+    def active(self) -> bool:
+        return self != LogitsProcessing()
+
+    @property
+    def penalties(self) -> bool:
+        """Whether it reads the request's token counts (then the device must see every token it has)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    def table(self, stop_tokens: Sequence[int]) -> tuple[tuple[int, float], ...]:
+        """The sparse entries the device keeps for this request: (token, bias) for logit_bias, and
+        (token, -inf) for each stop token while min_tokens applies (applied only below min_tokens)."""
+        stops = tuple((int(t), -np.inf) for t in sorted(set(stop_tokens))) if self.min_tokens > 0 else ()
+        return tuple(self.logit_bias) + stops
+
+
+def validate_processing(p: LogitsProcessing, vocab_size: int, stop_tokens: Sequence[int] = (),
+                        max_new_tokens: int | None = None) -> None:
+    """Raise ValueError naming the field (its wire name) for a value out of range."""
+    def number(name: str, v: Any) -> float:
+        if isinstance(v, bool) or not isinstance(v, int | float | np.number) or not np.isfinite(v):
+            raise ValueError(f"{name} must be a finite number, got {v!r}")
+        return float(v)
+
+    if number("repetition_penalty", p.repetition_penalty) <= 0:
+        raise ValueError(f"repetition_penalty must be > 0 (1 = off), got {p.repetition_penalty!r}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not -2.0 <= number(name, getattr(p, name)) <= 2.0:
+            raise ValueError(f"{name} must lie in [-2, 2], got {getattr(p, name)!r}")
+    if not 0.0 <= number("min_p", p.min_p) <= 1.0:
+        raise ValueError(f"min_p must lie in [0, 1], got {p.min_p!r}")
+    if isinstance(p.min_tokens, bool) or not isinstance(p.min_tokens, int | np.integer) or p.min_tokens < 0:
+        raise ValueError(f"min_tokens must be an integer >= 0, got {p.min_tokens!r}")
+    if max_new_tokens is not None and p.min_tokens > max_new_tokens:
+        raise ValueError(f"min_tokens ({p.min_tokens}) exceeds max_tokens ({max_new_tokens})")
+    if len(p.logit_bias) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias has {len(p.logit_bias)} entries; at most {MAX_LOGIT_BIAS}")
+    seen = set()
+    for tok, bias in p.logit_bias:
+        if isinstance(tok, bool) or not isinstance(tok, int | np.integer) or not 0 <= tok < vocab_size:
+            raise ValueError(f"logit_bias: token id {tok!r} is outside the vocabulary [0, {vocab_size})")
+        if tok in seen:
+            raise ValueError(f"logit_bias: token id {tok} appears twice")
+        seen.add(tok)
+        if not -LOGIT_BIAS_RANGE <= number("logit_bias", bias) <= LOGIT_BIAS_RANGE:
+            raise ValueError(f"logit_bias: the bias of token {tok} must lie in [-100, 100], got {bias!r}")
+    n = len(p.table(stop_tokens))
+    if n > TABLE_WIDTH:
+        raise ValueError(f"logit_bias ({len(p.logit_bias)}) and the stop tokens min_tokens suppresses "
+                         f"({n - len(p.logit_bias)}) exceed the {TABLE_WIDTH} entries a request may hold")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ProcessorInputs:
+    """A batch's logits processors on the device, per row [S]: the penalties, min_p, whether min_tokens
+    still suppresses stop tokens, and the request's sparse table ([S, TABLE_WIDTH] ids and values:
+    a finite value is a bias, -inf a stop token applied only while `suppress`); `counts` [S, V] the
+    row's output token counts and `seen` [S, V] whether a token occurs in its prompt."""
+
+    repetition: jax.Array
+    presence: jax.Array
+    frequency: jax.Array
+    min_p: jax.Array
+    suppress: jax.Array
+    table_ids: jax.Array
+    table_vals: jax.Array
+    counts: jax.Array
+    seen: jax.Array
+
+
+def unpack_bitmask(bitmask: jax.Array, vocab: int) -> jax.Array:
+    """[..., ceil(V/32)] int32 (bit b of word w allows token 32 w + b: llguidance's layout) -> bool
+    [..., V]."""
+    bits = (bitmask[..., :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+    return bits.reshape(*bitmask.shape[:-1], -1)[..., :vocab] > 0
+
+
+def process_logits(logits: jax.Array, temperature: jax.Array, p: ProcessorInputs,
+                   bitmask: jax.Array | None = None) -> jax.Array:
+    """The processed logits [S, J, V] float32 (each row's processors applied at all J positions; rows with
+    defaults are unchanged). `bitmask` [S, ceil(V/32)]: allowed tokens (None: all)."""
+    x = logits.astype(jnp.float32)
+    s, _, v = x.shape
+    if bitmask is not None:
+        x = jnp.where(unpack_bitmask(bitmask, v)[:, None, :], x, -jnp.inf)
+    rows = jnp.arange(s)[:, None]
+    vals = jnp.where(jnp.isneginf(p.table_vals), jnp.where(p.suppress[:, None], -jnp.inf, 0.0), p.table_vals)
+    add = jnp.zeros((s, v), jnp.float32).at[rows, p.table_ids].add(vals)
+    x = x + add[:, None, :]
+    counts = p.counts.astype(jnp.float32)
+    occurs = p.counts > 0
+    rep = p.repetition.astype(jnp.float32)[:, None, None]
+    penalized = jnp.where(x > 0, x / rep, x * rep)
+    x = jnp.where((occurs | p.seen)[:, None, :], penalized, x)
+    x = x - (p.frequency[:, None] * counts + p.presence[:, None] * occurs)[:, None, :]
+    # min_p after temperature: p_i >= min_p * p_max  <=>  x_i >= x_max + T * log(min_p)
+    t = temperature.astype(jnp.float32)[:, None, None]
+    mp = p.min_p.astype(jnp.float32)[:, None, None]
+    floor = jnp.max(x, axis=-1, keepdims=True) + t * jnp.log(jnp.maximum(mp, 1e-30))
+    drop = (mp > 0) & (t > 0) & (x < floor)
+    return jnp.where(drop, -jnp.inf, x)
 
 
 def load_generation_defaults(directory: str | os.PathLike) -> dict:

@@ -15,6 +15,14 @@ Steps without decode rows take whole `chunk_size` chunks. The result is a list o
 plain host data: laying it out (step.py), executing it and committing results (core.py) are separate.
 Must not touch device arrays.
 
+Logits processors and constraints (step.py's module docstring): a request's first row after admission is
+marked `fresh` (its slot's counts are cleared and its sparse table uploaded, at most
+step.TABLE_WIDTH entries per step: admission waits a step beyond that); a request with penalties
+skips the prefix cache (the device counts the tokens it computes, so it must compute all of them); a
+constrained request is scheduled only once its previous token is committed (its next bitmask depends on
+that token), so it advances every other step while other rows keep the pipeline full, and the host fills
+its bitmask while the device runs the step in between.
+
 Pipelining: a request whose previous row is still running on the device has one *pending* token
 (sampled there, not yet read). The schedule treats it as known-but-remote: the row reads it on device.
 Preemption never happens while a step is in flight (`can_preempt=False`): a row that cannot get pages
@@ -32,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from dsv3_jax.engine.paging import OutOfPages, PagePool
+from dsv3_jax.engine.sampling import TABLE_WIDTH
 from dsv3_jax.engine.step import RowPlan
 from dsv3_jax.model import kv_cache
 
@@ -67,6 +76,9 @@ class Request:
     spec_proposed: int = 0
     spec_accepted: int = 0
     steps: int = 0
+    processing: Any = None  # sampling.LogitsProcessing, or None
+    table: tuple = ()  # processing.table(eos): uploaded when admitted
+    constraint: Any = None  # structured-output matcher (fill_bitmask / advance), or None
 
     @property
     def tokens(self) -> list[int]:
@@ -174,7 +186,7 @@ class Scheduler:
         self.waiting.appendleft(victim)
 
     # ------------------------------------------------------------------ the schedule
-    def _row(self, r: Request, n: int) -> RowPlan:
+    def _row(self, r: Request, n: int, fresh: bool = False) -> RowPlan:
         end = r.known + r.pending  # the sequence's length including the pending token
         start = r.computed
         final = start + n >= end
@@ -183,7 +195,8 @@ class Scheduler:
         ndraft = len(r.drafts) if final and r.drafts else 0
         hint = r.token_slice(start + n, start + n + 1)[0] if not final and start + n < r.known else 0
         return RowPlan(r.rid, r.slot, start, chunk, n, pending_last, final, ndraft, hint, list(r.pages),
-                       r.temperature, r.top_p, r.top_k, r.seed, len(r.output) + r.pending, r.shard)
+                       r.temperature, r.top_p, r.top_k, r.seed, len(r.output) + r.pending, r.shard,
+                       r.processing, fresh, len(r.prompt), r.table if fresh else (), r.constraint is not None)
 
     def pick_shard(self, r: Request) -> int:
         """DP attention: the batch shard for a request being admitted: the fewest running sequences,
@@ -207,6 +220,8 @@ class Scheduler:
             return r.known + r.pending - r.computed
 
         def wants(r: Request) -> bool:
+            if r.constraint is not None and r.pending:
+                return False  # its bitmask needs the token still on the device
             return len(r.output) + r.pending < r.max_new_tokens and remaining(r) > 0
 
         decode = [r for r in self.running if wants(r) and remaining(r) == 1]
@@ -256,12 +271,18 @@ class Scheduler:
                 budget -= n
         if pairs_left[0] is None and self.attention_cap and any(remaining(r) == 1 for r, _ in plan):
             pairs_left[0] = self.attention_cap
+        table_left = TABLE_WIDTH  # sparse-table entries this step may upload
         while (self.waiting and budget > 0 and len(plan) < self.max_batch and not starved
                and len(self.running) < self.max_batch):
             r = self.waiting[0]
+            if len(r.table) > table_left:
+                break  # its table uploads next step
             if not r.pages:
                 r.shard = self.pick_shard(r)
-                hit = self.pool.match_prefix(r.tokens, (r.known - 1) // self.pool.page_size, shard=r.shard)
+                # Penalties count every token on the device as it is computed: nothing from the cache.
+                reuse = 0 if r.processing is not None and r.processing.penalties else \
+                    (r.known - 1) // self.pool.page_size
+                hit = self.pool.match_prefix(r.tokens, reuse, shard=r.shard) if reuse else []
                 r.pages, r.computed = hit, len(hit) * self.pool.page_size
                 r.registered_pages = len(hit)
                 if not r.preemptions:
@@ -275,6 +296,7 @@ class Scheduler:
             r.slot = self.free_slots.pop()
             self.running.append(r)
             spend(r.computed, n)
-            plan.append((r, self._row(r, n)))
+            plan.append((r, self._row(r, n, fresh=True)))
+            table_left -= len(r.table)
             budget -= n
         return plan, starved

@@ -13,9 +13,11 @@ nothing and are routed to no expert. Attention runs with one token per kernel ro
 Step shapes are a fixed, small set (`StepShapes`), because one shape of the full-width model costs ~26 s
 of GPU compile: decode capacities (S rows of spec_k + 1 tokens) for a few row counts, and mixed/prefill
 capacities (N tokens, max_batch rows) up to the token budget; each in two modes (greedy: argmax only;
-full: sampling filters and logprobs, which sort the vocabulary). The page-table width W is one per
-engine (the longest sequence it admits). Live counts travel as data (`valid`, `row_len`, lengths), so
-every load the scheduler can produce runs on one of these programs and `Engine.warmup()` compiles them all.
+full: sampling filters, logprobs and the logits processors, which sort the vocabulary), and a third,
+compiled only when a constrained (structured output) request runs: full plus a grammar bitmask input.
+The page-table width W is one per engine (the longest sequence it admits). Live counts travel as
+data (`valid`, `row_len`, lengths), so every load the scheduler can produce runs on one of these
+programs and `Engine.warmup()` compiles them all.
 
 Batch shards (data-parallel attention, later): tokens and rows are grouped by batch shard in equal
 segments, shard s owning flat tokens [s*N/D, (s+1)*N/D) and rows [s*S/D, (s+1)*S/D), each padded to
@@ -24,6 +26,16 @@ the same capacity; one shard today (`num_shards` exists so the layout is tested 
 A token's input id is either known on the host (`tokens`) or is the token the previous, still-running
 step sampled for that sequence: then `src` names the request's slot in the device-resident
 `last_token` buffer, so step k+1 can be dispatched before step k's results are read.
+
+Logits processors (sampling.LogitsProcessing: penalties, logit_bias, min_tokens, min_p) run in the full
+mode from per-slot state on the device: `counts` [slots, V] (output tokens), `seen` [slots, V] (prompt
+tokens) and a sparse table per slot ([slots, TABLE_WIDTH] ids and values: logit_bias and the stop tokens
+min_tokens suppresses). Every token a step computes marks them (positions before the row's prompt length
+into `seen`, the rest into `counts`), so a decode row's sampled token is counted when it is fed back,
+before the next draw; a row's first step after admission (`fresh`) clears its slot and uploads its table
+(`upload_*`, at most TABLE_WIDTH entries per step: the scheduler admits within it). Requests with
+penalties must pass every token through the step (no prefix-cache reuse, no MTP drafts: scheduler.py and
+core.py see to it). The bitmask of a constrained row is [ceil(V/32)] int32 per row (llguidance's layout).
 
 The device step returns only small arrays (sampled ids, counts, a finite flag per row, drafts, and
 logprobs when asked) packed into one int32 (and one float32) buffer; the cache and the per-slot state
@@ -44,7 +56,15 @@ import numpy as np
 
 from dsv3_jax.engine import mtp_draft
 from dsv3_jax.engine.api import MAX_LOGPROBS
-from dsv3_jax.engine.sampling import SamplingParams, speculative_sample, token_logprobs
+from dsv3_jax.engine.sampling import (
+    TABLE_WIDTH,
+    LogitsProcessing,
+    ProcessorInputs,
+    SamplingParams,
+    process_logits,
+    speculative_sample,
+    token_logprobs,
+)
 from dsv3_jax.model.kv_cache import PageMeta
 
 
@@ -110,7 +130,8 @@ class StepKey(NamedTuple):
     rows: int  # S, sequences
     width: int  # W, page-table columns
     spec_k: int  # drafts per decode row
-    full: bool  # sampling filters and logprobs (some row samples or asks for logprobs); else argmax only
+    full: bool  # sampling filters, logprobs and processors (some row samples, asks for logprobs or processes)
+    mask_words: int = 0  # > 0: a grammar bitmask of this many int32 words per row (ceil(V/32)); implies full
 
     @property
     def sampled(self) -> bool:
@@ -123,14 +144,26 @@ class StepKey(NamedTuple):
 
 def int_fields(key: StepKey) -> list[tuple[str, tuple[int, ...]]]:
     n, s, w, j = key.tokens, key.rows, key.width, key.spec_k + 1
-    return [("tokens", (n,)), ("src", (n,)), ("positions", (n,)), ("row_of", (n,)), ("valid", (n,)),
-            ("table", (s, w)), ("slot", (s,)), ("logit_idx", (s, j)), ("ndraft", (s,)), ("final", (s,)),
-            ("hint", (s,)), ("row_start", (s,)), ("row_len", (s,)), ("top_k", (s,)), ("seeds", (s,)),
-            ("counters", (s,))]
+    f = [("tokens", (n,)), ("src", (n,)), ("positions", (n,)), ("row_of", (n,)), ("valid", (n,)),
+         ("table", (s, w)), ("slot", (s,)), ("logit_idx", (s, j)), ("ndraft", (s,)), ("final", (s,)),
+         ("hint", (s,)), ("row_start", (s,)), ("row_len", (s,)), ("top_k", (s,)), ("seeds", (s,)),
+         ("counters", (s,))]
+    if key.full:
+        u = TABLE_WIDTH
+        f += [("fresh", (s,)), ("prompt_len", (s,)), ("suppress", (s,)), ("upload_slot", (u,)),
+              ("upload_pos", (u,)), ("upload_tok", (u,))]
+    if key.mask_words:
+        f.append(("bitmask", (s, key.mask_words)))
+    return f
 
 
 def float_fields(key: StepKey) -> list[tuple[str, tuple[int, ...]]]:
-    return [("temperature", (key.rows,)), ("top_p", (key.rows,))]
+    s = key.rows
+    f = [("temperature", (s,)), ("top_p", (s,))]
+    if key.full:
+        f += [("repetition", (s,)), ("presence", (s,)), ("frequency", (s,)), ("min_p", (s,)),
+              ("upload_val", (TABLE_WIDTH,))]
+    return f
 
 
 @dataclasses.dataclass
@@ -206,20 +239,28 @@ class RowPlan:
     seed: int
     counter: int  # index (in the output) of the token this row samples
     shard: int = 0
+    processing: LogitsProcessing | None = None  # the request's logits processors (None: none)
+    fresh: bool = False  # the request's first row since admission: clear its slot's counts, upload `upload`
+    prompt_len: int = 0  # positions before it are prompt tokens (counted as `seen`), the rest output
+    upload: tuple[tuple[int, float], ...] = ()  # with fresh: its sparse table (LogitsProcessing.table)
+    constrained: bool = False  # a grammar bitmask applies when it samples (the engine fills `bitmask`)
 
 
 def build(rows: list[RowPlan], *, spec_k: int, shapes: StepShapes, width: int, logprobs: bool,
-          num_shards: int = 1, scratch_slot: int = 0) -> StepBatch:
+          num_shards: int = 1, scratch_slot: int = 0, mask_words: int = 0) -> StepBatch:
     """Lay out scheduled rows as a flat, shard-grouped token batch in the smallest of `shapes` that holds
-    them, with a page table `width` columns wide (see the module docstring)."""
+    them, with a page table `width` columns wide (see the module docstring). `mask_words`: the bitmask
+    width a constrained row needs (ceil(V/32)); the bitmask field exists only when a sampling row is
+    constrained, all ones (every token allowed) until the engine fills the constrained rows'."""
     per_tok = [sum(r.n for r in rows if r.shard == s) for s in range(num_shards)]
     per_row = [sum(1 for r in rows if r.shard == s) for s in range(num_shards)]
     n_seg, s_seg = shapes.pick(max(max(per_tok), 1), max(max(per_row), 1))
     longest = max((len(r.pages) for r in rows), default=0)
     if longest > width:
         raise ValueError(f"a row holds {longest} pages but the page table is {width} wide")
-    key = StepKey(n_seg * num_shards, s_seg * num_shards, width, spec_k,
-                  logprobs or any(r.temperature > 0 for r in rows))
+    masked = mask_words if any(r.constrained and r.final for r in rows) else 0
+    full = logprobs or masked or any(r.temperature > 0 or r.processing is not None for r in rows)
+    key = StepKey(n_seg * num_shards, s_seg * num_shards, width, spec_k, bool(full), masked)
     n, s, j = key.tokens, key.rows, spec_k + 1
     ints = np.zeros(packed_size(int_fields(key)), np.int32)
     floats = np.zeros(packed_size(float_fields(key)), np.float32)
@@ -227,6 +268,12 @@ def build(rows: list[RowPlan], *, spec_k: int, shapes: StepShapes, width: int, l
     a["src"][:] = -1
     a["slot"][:] = scratch_slot
     f["top_p"][:] = 1.0
+    if key.full:
+        f["repetition"][:] = 1.0
+        a["upload_slot"][:] = scratch_slot
+        uploaded = 0
+    if masked:
+        a["bitmask"][:] = -1
     next_tok = [sh * n_seg for sh in range(num_shards)]
     next_row = [sh * s_seg for sh in range(num_shards)]
     row_index = []
@@ -252,6 +299,22 @@ def build(rows: list[RowPlan], *, spec_k: int, shapes: StepShapes, width: int, l
         a["row_start"][i], a["row_len"][i] = t0, r.n
         a["top_k"][i], a["seeds"][i], a["counters"][i] = r.top_k, r.seed, r.counter
         f["temperature"][i], f["top_p"][i] = r.temperature, r.top_p
+        if key.full:
+            a["fresh"][i], a["prompt_len"][i] = r.fresh, r.prompt_len
+            p = r.processing
+            if p is not None:
+                a["suppress"][i] = r.counter < p.min_tokens
+                f["repetition"][i], f["presence"][i] = p.repetition_penalty, p.presence_penalty
+                f["frequency"][i], f["min_p"][i] = p.frequency_penalty, p.min_p
+            if r.fresh and r.upload:
+                m = len(r.upload)
+                if uploaded + m > TABLE_WIDTH:
+                    raise ValueError(f"rows upload {uploaded + m} table entries; a step holds {TABLE_WIDTH}")
+                up = slice(uploaded, uploaded + m)
+                a["upload_slot"][up], a["upload_pos"][up] = r.slot, np.arange(m)
+                a["upload_tok"][up] = [t for t, _ in r.upload]
+                f["upload_val"][up] = [v for _, v in r.upload]
+                uploaded += m
     # Padding tokens and rows point at row 0 / token 0 (finite, discarded) and never write a real page.
     del n, s
     return StepBatch(key, ints, floats, [(r.rid, r.n) for r in rows], row_index, sum(per_tok))
@@ -281,8 +344,13 @@ def unpack_outputs(key: StepKey, ints: np.ndarray, floats: np.ndarray | None) ->
 
 
 def init_state(num_slots: int, spec_k: int, vocab: int) -> dict[str, jax.Array]:
-    """Device-resident per-request state: the last sampled token (and the MTP draft distribution)."""
-    state = {"last_token": jnp.zeros((num_slots,), jnp.int32)}
+    """Device-resident per-request state: the last sampled token (and the MTP draft distribution), and what
+    the logits processors read (module docstring): token counts, prompt tokens, the sparse table."""
+    state = {"last_token": jnp.zeros((num_slots,), jnp.int32),
+             "counts": jnp.zeros((num_slots, vocab), jnp.int32),
+             "seen": jnp.zeros((num_slots, vocab), jnp.bool_),
+             "table_ids": jnp.zeros((num_slots, TABLE_WIDTH), jnp.int32),
+             "table_vals": jnp.zeros((num_slots, TABLE_WIDTH), jnp.float32)}
     if spec_k:
         state["draft_probs"] = jnp.zeros((num_slots, spec_k, vocab), jnp.float32)
     return state
@@ -308,6 +376,11 @@ def make_step(model: Any, key: StepKey):
         j = jnp.arange(k + 1)[None, :]
         finite = jnp.all(jnp.isfinite(logits) | (j > ndraft[:, None])[..., None], axis=(1, 2))
         sp = SamplingParams(f["temperature"], f["top_p"], a["top_k"])
+        raw = logits
+        if key.full:
+            state, proc = _processor_inputs(state, a, f, toks, valid)
+            logits = process_logits(logits, f["temperature"], proc,
+                                    a["bitmask"] if key.mask_words else None)
         drafts_in = toks[jnp.minimum(a["logit_idx"] + 1, n - 1)][:, :k]  # the token after each scored one
         qprobs = state["draft_probs"][a["slot"]] if k and key.sampled else None
         tokens, n_new = speculative_sample(logits, drafts_in, ndraft, sp, a["seeds"], a["counters"], qprobs,
@@ -332,7 +405,7 @@ def make_step(model: Any, key: StepKey):
                 dst = jnp.where(final, a["slot"], scratch)
                 state["draft_probs"] = state["draft_probs"].at[dst].set(dprobs)
         if key.logprobs:
-            lp, top_ids, top_lp = token_logprobs(logits, tokens)
+            lp, top_ids, top_lp = token_logprobs(raw, tokens)
             outs.append(top_ids)
             fl = [lp, top_lp]
         out_ints = jnp.concatenate([o.astype(jnp.int32).reshape(-1) for o in outs])
@@ -340,3 +413,26 @@ def make_step(model: Any, key: StepKey):
         return out_ints, out_floats, cache, state
 
     return step
+
+
+def _processor_inputs(state: dict, a: dict, f: dict, toks: jax.Array, valid: jax.Array
+                      ) -> tuple[dict, ProcessorInputs]:
+    """Update the per-slot processor state for this step (clear fresh slots, upload their tables, count
+    every computed token) and gather the rows' inputs (module docstring)."""
+    scratch = state["last_token"].shape[0] - 1
+    slot = a["slot"]
+    fresh = jnp.where(a["fresh"] > 0, slot, scratch)
+    counts = state["counts"].at[fresh].set(0)
+    seen = state["seen"].at[fresh].set(False)
+    ids = state["table_ids"].at[fresh].set(0)
+    vals = state["table_vals"].at[fresh].set(0.0)
+    ids = ids.at[a["upload_slot"], a["upload_pos"]].set(a["upload_tok"])
+    vals = vals.at[a["upload_slot"], a["upload_pos"]].set(f["upload_val"])
+    tok_slot = jnp.where(valid, slot[a["row_of"]], scratch)
+    is_out = a["positions"] >= a["prompt_len"][a["row_of"]]
+    counts = counts.at[jnp.where(is_out, tok_slot, scratch), toks].add(1)
+    seen = seen.at[jnp.where(is_out, scratch, tok_slot), toks].set(True)
+    state = {**state, "counts": counts, "seen": seen, "table_ids": ids, "table_vals": vals}
+    proc = ProcessorInputs(f["repetition"], f["presence"], f["frequency"], f["min_p"], a["suppress"] > 0,
+                           ids[slot], vals[slot], counts[slot], seen[slot])
+    return state, proc
