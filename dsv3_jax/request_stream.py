@@ -84,12 +84,19 @@ class RequestParams:
 def resolve(defaults: Mapping[str, Any], *, max_new_tokens: Any, temperature: Any = None, top_p: Any = None,
             top_k: Any = None, seed: Any = 0, stop: Sequence[str] = (), logprobs: Any = None,
             eos: Sequence[int] = (), stop_token_ids: Sequence[int] = (),
-            processing: LogitsProcessing | None = None, structured: Any = None,
+            processing: LogitsProcessing | Mapping[str, Any] | None = None, structured: Any = None,
             include_stop_str_in_output: bool = False) -> RequestParams:
     """The one place a request's parameters are resolved: None takes the checkpoint's generation_config
-    default (`defaults`, see sampling.apply_defaults); `stop_token_ids` end the request like `eos`.
-    Values are not checked here (`check` does)."""
+    default (`defaults`, see sampling.apply_defaults); `stop_token_ids` end the request like `eos`;
+    `processing` is a LogitsProcessing or its fields by name (None values: off; logit_bias as a
+    {token: bias} mapping or pairs). Values are not checked here (`check` does)."""
     t, p, k = apply_defaults(defaults, temperature, top_p, top_k)
+    if isinstance(processing, Mapping):
+        given = {name: v for name, v in processing.items() if v is not None}
+        bias = given.get("logit_bias", ())
+        given["logit_bias"] = tuple((_plain(a), _plain(b)) for a, b in
+                                    (bias.items() if isinstance(bias, Mapping) else bias))
+        processing = LogitsProcessing(**given)
     ends = tuple(dict.fromkeys(int(e) for e in (*eos, *stop_token_ids)))
     return RequestParams(_plain(max_new_tokens), _plain(t), _plain(p), _plain(k), _plain(seed),
                          tuple(s for s in stop if s), _plain(logprobs), ends,

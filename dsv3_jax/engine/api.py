@@ -129,7 +129,10 @@ class EngineProtocol(Protocol):
 
     def add_request(self, prompt: Sequence[int], *, max_new_tokens: int = 64, temperature: float = 0.0,
                     top_p: float = 1.0, top_k: int = 0, seed: int = 0, eos: Sequence[int] = (),
-                    logprobs: int | None = None) -> int: ...
+                    logprobs: int | None = None, processing: Any = None, constraint: Any = None) -> int:
+        """`processing`: sampling.LogitsProcessing (penalties, logit_bias, min_p, min_tokens on the device);
+        `constraint`: a structured-output matcher (structured.Constraint). Both optional."""
+        ...
 
     def cancel(self, rid: int) -> bool: ...
 

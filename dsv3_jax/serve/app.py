@@ -206,7 +206,9 @@ class Service:
             block = tool_description([t.model_dump() for t in tools], self.tool_format)
             messages.append({"role": "system", "content": block})
         try:
-            text = apply_chat_template(self.tokenizer, messages, add_generation_prompt=True, **kwargs)
+            text = apply_chat_template(self.tokenizer, messages,
+                                       add_generation_prompt=req.add_generation_prompt,
+                                       continue_final_message=req.continue_final_message, **kwargs)
             return self.tokenizer.encode_batch([text], add_bos=False)[0]  # as encode_chat, GIL released
         except (ValueError, TypeError, jinja2.TemplateError) as e:
             raise P.RequestError(f"chat template: {e}", "messages") from e
@@ -217,11 +219,28 @@ class Service:
         encoded = iter(self.tokenizer.encode_batch(texts) if texts else [])
         return [next(encoded) if isinstance(p, str) else list(p) for p in prompts]
 
+    def grammar(self, req: P._SamplingRequest) -> Any:
+        """The request's structured-output grammar (structured.compile_format; None: free text), built on
+        the host pool; a bad schema is a 400 naming the field that gave it."""
+        fmt = req.structured_format()
+        if fmt is None:
+            return None
+        from dsv3_jax import structured
+
+        kind, value, field = fmt
+        vocab = self.handle.config.vocab_size
+        try:
+            return structured.compile_format(kind, value, self.tokenizer, field=field, vocab_size=vocab,
+                                             eos=self.handle.eos_ids())
+        except structured.FormatInvalid as e:
+            raise P.RequestError(str(e), e.field) from None
+
     def params(self, req: P._SamplingRequest, prompt: list[int], first_index: int,
-               prompt_param: str) -> list[RequestParams]:
+               prompt_param: str, grammar: Any = None) -> list[RequestParams]:
         """The `req.n` choices' parameters for one prompt (request_stream.resolve: generation_config
-        defaults; max_tokens absent: all that fits), checked once (request_stream.check); a 400 naming
-        the request's field when the prompt cannot run."""
+        defaults; max_tokens absent: all that fits; logits processors, stop_token_ids, `grammar` from
+        `grammar()`), checked once (request_stream.check); a 400 naming the request's field when the
+        prompt cannot run."""
         room = self.limits.room(len(prompt))
         requested = req.token_limit
         seed = req.seed if req.seed is not None else self._seeds.randrange(_SEED_MOD)
@@ -232,7 +251,9 @@ class Service:
                 max_new_tokens=max(room, 1) if requested is None else requested,
                 top_k=None if req.top_k is None else max(req.top_k, 0),  # the wire's -1: no limit, as 0
                 seed=(seed + i) % _SEED_MOD, stop=req.stop_list(), logprobs=req.num_logprobs,
-                eos=() if req.ignore_eos else self.handle.eos_ids())
+                eos=() if req.ignore_eos else self.handle.eos_ids(), stop_token_ids=req.stop_token_ids or (),
+                processing=req.processing_kwargs(), structured=grammar,
+                include_stop_str_in_output=req.include_stop_str_in_output)
             try:
                 request_stream.check(prompt, p, self.limits)
             except RequestInvalid as e:
@@ -469,12 +490,14 @@ def create_app(svc: Service) -> FastAPI:
         svc.check_model(req.model)
         svc.check_choices(req.n, "n")
         prompt = await svc.run(svc.chat_prompt, req)
-        params = svc.params(req, prompt, 0, "messages")
-        subs = svc.submit_all([prompt] * req.n, params)
+        grammar = await svc.run(svc.grammar, req)
+        params = svc.params(req, prompt, 0, "messages", grammar)
+        subs = svc.submit_all([prompt] * req.n, params, skip_special_tokens=req.skip_special_tokens)
         tools = ({t.function.name for t in req.tools} if req.tools and req.tool_choice != "none" else False)
         choices = [_Choice(svc, s, chat=True, thinking=req.thinking, tools=tools,
                            num_logprobs=req.num_logprobs) for s in subs]
-        ctx = _Ctx(svc, "chat", P.new_id("chatcmpl"), [len(prompt)], [prompt], arrival, req)
+        ctx = _Ctx(svc, "chat", P.response_id("chatcmpl", req.request_id), [len(prompt)], [prompt], arrival,
+                   req, choices)
         if req.stream:
             return _sse(_chat_stream(ctx, choices))
         return await _complete(request, ctx, choices, _chat_response)
@@ -490,12 +513,14 @@ def create_app(svc: Service) -> FastAPI:
                                  "of either", "prompt")
         svc.check_choices(len(texts) * req.n, "n" if len(texts) == 1 else "prompt")
         prompts = await svc.run(svc.encode_prompts, texts)
-        params = [q for j, p in enumerate(prompts) for q in svc.params(req, p, j * req.n, "prompt")]
+        grammar = await svc.run(svc.grammar, req)
+        params = [q for j, p in enumerate(prompts) for q in svc.params(req, p, j * req.n, "prompt", grammar)]
         flat = [p for p in prompts for _ in range(req.n)]
-        subs = svc.submit_all(flat, params)
+        subs = svc.submit_all(flat, params, skip_special_tokens=req.skip_special_tokens)
         choices = [_Choice(svc, s, chat=False, thinking=False, tools=False, num_logprobs=req.num_logprobs)
                    for s in subs]
-        ctx = _Ctx(svc, "completions", P.new_id("cmpl"), [len(p) for p in prompts], prompts, arrival, req)
+        ctx = _Ctx(svc, "completions", P.response_id("cmpl", req.request_id), [len(p) for p in prompts],
+                   prompts, arrival, req, choices)
         if req.echo:
             echoed = await svc.run(lambda: [svc.tokenizer.decode(p, skip_special_tokens=True) for p in flat])
             for c, text in zip(choices, echoed):
@@ -511,11 +536,13 @@ class _Ctx:
     """Per-HTTP-request facts the response builders need."""
 
     def __init__(self, svc: Service, endpoint: str, rid: str, prompt_lens: list[int],
-                 prompts: list[list[int]], arrival: float, req: Any):
+                 prompts: list[list[int]], arrival: float, req: Any, choices: list[_Choice] | None = None):
         self.svc, self.endpoint, self.id = svc, endpoint, rid
         self.prompt_lens, self.prompts = prompt_lens, prompts
         self.arrival, self.req, self.created = arrival, req, P.now()
         self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        # vLLM's stream_options.continuous_usage_stats: the usage so far in every chunk
+        self.choices = choices if self.include_usage and req.stream_options.continuous_usage_stats else None
 
     def usage(self, choices: list[_Choice]) -> dict[str, Any]:
         # Prompt tokens count once per prompt (n samples share them); cached tokens as the engine reports.
@@ -662,7 +689,7 @@ def _chunk(ctx: _Ctx, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]
     out = {"id": ctx.id, "object": obj, "created": ctx.created, "model": ctx.svc.model_name,
            "system_fingerprint": None, "choices": choices}
     if ctx.include_usage:
-        out["usage"] = None
+        out["usage"] = ctx.usage(ctx.choices) if ctx.choices else None
     return out
 
 

@@ -2,8 +2,12 @@
 builders, and the error body.
 
 Owns: which request fields exist and their ranges, the cross-field checks (a field we accept but cannot
-honour is refused with a 400 naming it, never silently ignored), and the exact JSON shapes of
-`chat.completion`, `chat.completion.chunk`, `text_completion`, usage and `{"error": {...}}`.
+honour is refused with a 400 naming it and saying why, never silently ignored; pure labels, `store`,
+`metadata`, `user`, `service_tier`, are accepted and ignored), which structured-output spelling a request
+used (`structured_format`: OpenAI's `response_format`, vLLM's `guided_json` / `guided_regex` /
+`guided_choice` and `structured_outputs`), the response id (`response_id`: vLLM's `request_id`), and the
+exact JSON shapes of `chat.completion`, `chat.completion.chunk`, `text_completion`, usage and
+`{"error": {...}}`.
 Must not tokenize, render templates or talk to the engine (that is app.py and runner.py); the one engine
 fact it reads is the contract's logprobs bound (engine/api.MAX_LOGPROBS).
 """
@@ -46,6 +50,7 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage so far in every chunk (with include_usage)
 
 
 class FunctionDef(_Strict):
@@ -69,8 +74,51 @@ class NamedToolChoice(_Strict):
     function: NamedFunction
 
 
+class JsonSchemaFormat(_Strict):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: Annotated[str, Field(max_length=64)] | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(_Strict):
-    type: Literal["text"]
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema(self):
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
+            raise RequestError("response_format of type json_schema needs json_schema.schema",
+                               "response_format")
+        if self.type != "json_schema" and self.json_schema is not None:
+            raise RequestError(f"response_format.json_schema is only for type json_schema (got {self.type})",
+                               "response_format")
+        return self
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's `structured_outputs`: exactly one of these."""
+
+    json_: dict[str, Any] | str | bool | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    json_object: bool | None = None
+    grammar: str | None = None
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+# Fields a client may send that this server refuses, and why (a 400 naming the field).
+_REFUSED = {
+    "reasoning_effort": "DeepSeek-V3.1's thinking is on or off, not graded: use "
+                        "chat_template_kwargs.thinking",
+    "modalities": "this model produces text only",
+    "audio": "this model produces text only",
+    "prediction": "predicted outputs are not supported",
+    "web_search_options": "web search is not supported",
+    "guided_grammar": "grammars are not supported; use a JSON schema, a regex or a choice",
+}
 
 
 class ContentPart(_Strict):
@@ -124,24 +172,96 @@ class _SamplingRequest(_Strict):
     stream_options: StreamOptions | None = None
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    # vLLM's sampling extensions
+    repetition_penalty: Annotated[float, Field(gt=0)] | None = None
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    min_tokens: Annotated[int, Field(ge=0)] = 0
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=128)] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False  # keep going past EOS
+    return_token_ids: bool = False  # prompt_token_ids and token_ids in the response
+    request_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None  # the response id's tail
+    priority: int = 0  # only 0: no priority scheduling
+    # structured outputs (OpenAI's response_format; vLLM's spellings)
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    structured_outputs: StructuredOutputs | None = None
+    # labels: accepted, ignored
     user: str | None = None
-    ignore_eos: bool = False  # vLLM extension: keep going past EOS
-    return_token_ids: bool = False  # vLLM extension: prompt_token_ids and token_ids in the response
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refused(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, why in _REFUSED.items():
+                if data.get(name) is not None:
+                    raise RequestError(f"{name} is not supported: {why}", name)
+        return data
 
     @model_validator(mode="after")
     def _unsupported(self):
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise RequestError(f"{name} is not supported (only 0)", name)
-        if self.logit_bias:
-            raise RequestError("logit_bias is not supported", "logit_bias")
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options is only allowed when stream is true", "stream_options")
+        if self.priority != 0:
+            raise RequestError("priority is not supported: requests are served first come, first served "
+                               "(only 0)", "priority")
+        for tok in self.logit_bias or {}:
+            if not tok.lstrip("-").isdigit():
+                raise RequestError(f"logit_bias keys are token ids, got {tok!r}", "logit_bias")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise RequestError(f"min_tokens ({self.min_tokens}) exceeds max_tokens ({self.max_tokens})",
+                               "min_tokens")
+        self.structured_format()  # one spelling at most
         return self
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def processing_kwargs(self) -> dict[str, Any]:
+        """The logits processors as request_stream.resolve takes them (None: the default, off)."""
+        return {"repetition_penalty": self.repetition_penalty, "presence_penalty": self.presence_penalty,
+                "frequency_penalty": self.frequency_penalty, "min_p": self.min_p,
+                "min_tokens": self.min_tokens,
+                "logit_bias": {int(k): float(v) for k, v in (self.logit_bias or {}).items()}}
+
+    def structured_format(self) -> tuple[str, Any, str] | None:
+        """(kind, value, field) of the output format asked for (kind json_schema | json_object | regex |
+        choice; field: the request field that asked), None for free text. Two spellings at once are a 400."""
+        found = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append(("json_object", None, "response_format"))
+        elif rf is not None and rf.type == "json_schema":
+            found.append(("json_schema", rf.json_schema.schema_, "response_format"))
+        if self.guided_json is not None:
+            found.append(("json_schema", self.guided_json, "guided_json"))
+        if self.guided_regex is not None:
+            found.append(("regex", self.guided_regex, "guided_regex"))
+        if self.guided_choice is not None:
+            found.append(("choice", self.guided_choice, "guided_choice"))
+        so = self.structured_outputs
+        if so is not None:
+            options = (("json_schema", so.json_), ("regex", so.regex), ("choice", so.choice),
+                       ("json_object", so.json_object or None), ("grammar", so.grammar))
+            given = [(k, v) for k, v in options if v is not None]
+            if len(given) != 1:
+                raise RequestError("structured_outputs takes exactly one of json, regex, choice, json_object",
+                                   "structured_outputs")
+            if given[0][0] == "grammar":
+                raise RequestError("structured_outputs.grammar is not supported: "
+                                   + _REFUSED["guided_grammar"], "structured_outputs")
+            found.append((*given[0], "structured_outputs"))
+        if len(found) > 1:
+            raise RequestError(f"{found[0][2]} and {found[1][2]} both ask for an output format; pass one",
+                               found[1][2])
+        return found[0] if found else None
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -152,8 +272,9 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True  # vLLM: end the prompt with the assistant's turn opener
+    continue_final_message: bool = False  # vLLM: the last (assistant) message is continued, left open
 
     @model_validator(mode="after")
     def _checks(self):
@@ -166,6 +287,15 @@ class ChatCompletionRequest(_SamplingRequest):
         if self.max_tokens is not None and self.max_completion_tokens is not None \
                 and self.max_tokens != self.max_completion_tokens:
             raise RequestError("max_tokens and max_completion_tokens disagree; pass one", "max_tokens")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise RequestError("continue_final_message continues the last message: it needs "
+                               "add_generation_prompt false", "continue_final_message")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise RequestError("continue_final_message needs the last message to be the assistant's",
+                               "continue_final_message")
+        if self.max_completion_tokens is not None and self.min_tokens > self.max_completion_tokens:
+            raise RequestError(f"min_tokens ({self.min_tokens}) exceeds max_completion_tokens "
+                               f"({self.max_completion_tokens})", "min_tokens")
         return self
 
     @property
@@ -220,6 +350,11 @@ class CompletionRequest(_SamplingRequest):
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def response_id(prefix: str, request_id: str | None) -> str:
+    """The response's id: vLLM's `{prefix}-{request_id}` when the client gave one, else a random one."""
+    return f"{prefix}-{request_id}" if request_id else new_id(prefix)
 
 
 def now() -> int:

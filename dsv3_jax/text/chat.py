@@ -2,8 +2,9 @@
 
 Owns: the sandboxed Jinja environment (same options, filters and globals as transformers), message
 normalization and checking (a role the template does not render, or non-string content, is refused
-rather than silently dropped), the thinking switch (`thinking`, alias `enable_thinking`), and encoding
-a rendered chat.
+rather than silently dropped), the thinking switch (`thinking`, alias `enable_thinking`), continuing the
+final message (`continue_final_message`: the rendered chat cut right after its text, as transformers
+does), and encoding a rendered chat.
 Does not own tokenization itself (`tokenizer.py`) or generation.
 """
 
@@ -199,9 +200,14 @@ def render_chat(
     tools: Sequence[Mapping] | None = None,
     documents: Sequence[Mapping] | None = None,
     special_tokens: Mapping[str, str] | None = None,
+    continue_final_message: bool = False,
     **kwargs: Any,
 ) -> str:
     """Render `messages` with a chat template, byte-identical to transformers' apply_chat_template.
+
+    `continue_final_message`: the prompt ends inside the last message (no end-of-turn after its text), so
+    the model continues it; incompatible with `add_generation_prompt`, and refused when the template
+    does not write the message's text verbatim.
 
     `thinking` and `enable_thinking` are the same switch (DeepSeek-V3.1 reads `thinking`, other families
     read `enable_thinking`); whichever is given is passed under both names, and left out when neither is
@@ -219,13 +225,31 @@ def render_chat(
         if items is not None and not all(isinstance(x, Mapping) for x in items):
             raise ValueError(f"render_chat: {name} must be a list of dicts (JSON schemas)")
     variables = {**(special_tokens or {}), **_plain(kwargs)}
-    return compile_template(template).render(
-        messages=_normalize_messages(messages, template_roles(template)),
+    if continue_final_message and add_generation_prompt:
+        raise ValueError("continue_final_message and add_generation_prompt cannot both be set: the first "
+                         "continues the last message, the second opens a new assistant turn")
+    normalized = _normalize_messages(messages, template_roles(template))
+    rendered = compile_template(template).render(
+        messages=normalized,
         tools=_plain(list(tools)) if tools is not None else None,
         documents=_plain(list(documents)) if documents is not None else None,
         add_generation_prompt=add_generation_prompt,
         **variables,
     )
+    return _cut_after_final(rendered, normalized[-1]) if continue_final_message else rendered
+
+
+def _cut_after_final(rendered: str, message: dict) -> str:
+    """The rendered chat up to the end of the final message's text (transformers' rule: its last
+    occurrence; where the template trimmed the text's trailing spaces, up to the trimmed end)."""
+    text = message.get("content") or ""
+    if not text.strip() or text.strip() not in rendered:
+        raise ValueError("continue_final_message: the final message's text does not appear in the rendered "
+                         "chat (the template changes it), so there is nothing to continue")
+    at = rendered.rindex(text.strip())
+    if rendered[at:at + len(text.lstrip())] == text.lstrip():
+        return rendered[:at + len(text.lstrip())]
+    return rendered[:at + len(text.strip())]
 
 
 def apply_chat_template(
