@@ -274,8 +274,8 @@ def test_bad_completion_prompts_and_client_errors(server, client):
     r = httpx.post(server + "/v1/completions", json={"model": MODEL, "prompt": [1, 200000]}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model=MODEL, prompt="x", max_tokens=4, presence_penalty=1.0)
-    assert e.value.body["param"] == "presence_penalty"
+        client.completions.create(model=MODEL, prompt="x", max_tokens=4, extra_body={"min_p": 2.0})
+    assert e.value.body["param"] == "min_p"
     r = httpx.get(server + "/v1/nothing", timeout=10)
     assert r.status_code == 404 and "error" in r.json()
 

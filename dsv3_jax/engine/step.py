@@ -64,6 +64,7 @@ from dsv3_jax.engine.sampling import (
     process_logits,
     speculative_sample,
     token_logprobs,
+    unpack_bitmask,
 )
 from dsv3_jax.model.kv_cache import PageMeta
 
@@ -150,8 +151,8 @@ def int_fields(key: StepKey) -> list[tuple[str, tuple[int, ...]]]:
          ("counters", (s,))]
     if key.full:
         u = TABLE_WIDTH
-        f += [("fresh", (s,)), ("prompt_len", (s,)), ("suppress", (s,)), ("upload_slot", (u,)),
-              ("upload_pos", (u,)), ("upload_tok", (u,))]
+        f += [("fresh", (s,)), ("prompt_len", (s,)), ("suppress", (s,)), ("processed", (s,)),
+              ("upload_slot", (u,)), ("upload_pos", (u,)), ("upload_tok", (u,))]
     if key.mask_words:
         f.append(("bitmask", (s, key.mask_words)))
     return f
@@ -300,9 +301,11 @@ def build(rows: list[RowPlan], *, spec_k: int, shapes: StepShapes, width: int, l
         a["top_k"][i], a["seeds"][i], a["counters"][i] = r.top_k, r.seed, r.counter
         f["temperature"][i], f["top_p"][i] = r.temperature, r.top_p
         if key.full:
-            a["fresh"][i], a["prompt_len"][i] = r.fresh, r.prompt_len
             p = r.processing
+            # only a processed request's slot state is ever read: others need no clearing
+            a["fresh"][i], a["prompt_len"][i] = r.fresh and p is not None, r.prompt_len
             if p is not None:
+                a["processed"][i] = 1
                 a["suppress"][i] = r.counter < p.min_tokens
                 f["repetition"][i], f["presence"][i] = p.repetition_penalty, p.presence_penalty
                 f["frequency"][i], f["min_p"][i] = p.frequency_penalty, p.min_p
@@ -378,9 +381,8 @@ def make_step(model: Any, key: StepKey):
         sp = SamplingParams(f["temperature"], f["top_p"], a["top_k"])
         raw = logits
         if key.full:
-            state, proc = _processor_inputs(state, a, f, toks, valid)
-            logits = process_logits(logits, f["temperature"], proc,
-                                    a["bitmask"] if key.mask_words else None)
+            state = _update_processor_state(state, a, f, toks, valid)
+            logits = _processed_logits(logits, state, a, f, a["bitmask"] if key.mask_words else None)
         drafts_in = toks[jnp.minimum(a["logit_idx"] + 1, n - 1)][:, :k]  # the token after each scored one
         qprobs = state["draft_probs"][a["slot"]] if k and key.sampled else None
         tokens, n_new = speculative_sample(logits, drafts_in, ndraft, sp, a["seeds"], a["counters"], qprobs,
@@ -415,24 +417,50 @@ def make_step(model: Any, key: StepKey):
     return step
 
 
-def _processor_inputs(state: dict, a: dict, f: dict, toks: jax.Array, valid: jax.Array
-                      ) -> tuple[dict, ProcessorInputs]:
-    """Update the per-slot processor state for this step (clear fresh slots, upload their tables, count
-    every computed token) and gather the rows' inputs (module docstring)."""
+_PROCESSOR_STATE = ("counts", "seen", "table_ids", "table_vals")
+
+
+def _update_processor_state(state: dict, a: dict, f: dict, toks: jax.Array, valid: jax.Array) -> dict:
+    """The per-slot processor state after this step's bookkeeping (module docstring): fresh slots cleared
+    (a loop over the fresh rows only, so a step without admissions writes no [slots, V] rows), their
+    tables uploaded, every computed token counted."""
     scratch = state["last_token"].shape[0] - 1
     slot = a["slot"]
-    fresh = jnp.where(a["fresh"] > 0, slot, scratch)
-    counts = state["counts"].at[fresh].set(0)
-    seen = state["seen"].at[fresh].set(False)
-    ids = state["table_ids"].at[fresh].set(0)
-    vals = state["table_vals"].at[fresh].set(0.0)
+    fresh = a["fresh"] > 0
+    fresh_slots = slot[jnp.argsort(~fresh, stable=True)]  # the fresh rows' slots first
+
+    def clear(i, arrays):
+        return tuple(jax.lax.dynamic_update_slice(x, jnp.zeros((1, x.shape[1]), x.dtype), (fresh_slots[i], 0))
+                     for x in arrays)
+
+    counts, seen, ids, vals = jax.lax.fori_loop(0, jnp.sum(fresh), clear,
+                                                tuple(state[k] for k in _PROCESSOR_STATE))
     ids = ids.at[a["upload_slot"], a["upload_pos"]].set(a["upload_tok"])
     vals = vals.at[a["upload_slot"], a["upload_pos"]].set(f["upload_val"])
     tok_slot = jnp.where(valid, slot[a["row_of"]], scratch)
     is_out = a["positions"] >= a["prompt_len"][a["row_of"]]
     counts = counts.at[jnp.where(is_out, tok_slot, scratch), toks].add(1)
     seen = seen.at[jnp.where(is_out, scratch, tok_slot), toks].set(True)
-    state = {**state, "counts": counts, "seen": seen, "table_ids": ids, "table_vals": vals}
-    proc = ProcessorInputs(f["repetition"], f["presence"], f["frequency"], f["min_p"], a["suppress"] > 0,
-                           ids[slot], vals[slot], counts[slot], seen[slot])
-    return state, proc
+    return {**state, "counts": counts, "seen": seen, "table_ids": ids, "table_vals": vals}
+
+
+def _processed_logits(logits: jax.Array, state: dict, a: dict, f: dict, bitmask: jax.Array | None
+                      ) -> jax.Array:
+    """The rows' logits after their processors (sampling.process_logits). A step whose rows have none
+    (default sampled requests) skips the [rows, V] gathers and math at run time (lax.cond); the grammar
+    bitmask applies either way."""
+    slot = a["slot"]
+
+    def processed(x):
+        proc = ProcessorInputs(f["repetition"], f["presence"], f["frequency"], f["min_p"], a["suppress"] > 0,
+                               state["table_ids"][slot], state["table_vals"][slot], state["counts"][slot],
+                               state["seen"][slot])
+        return process_logits(x, f["temperature"], proc, bitmask)
+
+    def plain(x):
+        x = x.astype(jnp.float32)
+        if bitmask is None:
+            return x
+        return jnp.where(unpack_bitmask(bitmask, x.shape[-1])[:, None, :], x, -jnp.inf)
+
+    return jax.lax.cond(jnp.any(a["processed"] > 0), processed, plain, logits)
