@@ -39,11 +39,18 @@ part() {  # part NAME LIMIT CMD... : run under `timeout`, output to the terminal
 # that hangs fails alone (pytest-timeout, in the GPU image) instead of eating the part's limit.
 TIMEOUT_ARGS=()
 "$PY" -c "import pytest_timeout" 2>/dev/null && TIMEOUT_ARGS=(--timeout=90)
-# Three pytest workers (pytest-xdist, in the GPU image) share the GPU: compiles dominate the suite and run
-# on the CPU cores in parallel; each worker takes at most 30% of the GPU's memory.
+# Up to three pytest workers (pytest-xdist, in the GPU image) share the GPU: compiles dominate the suite
+# and run on the CPU cores in parallel. The largest test (the FP8 grouped GEMM at 16K rows) needs ~32 GB,
+# so one worker per 42 GiB of GPU memory (3 on an H200's 139 GiB, 1 on an H100's 79 GiB: three workers at
+# 30% of an H100 ran out of memory on 2026-12-05), each taking at most 90% / workers of it.
+MEM_MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
+WORKERS=$(( ${MEM_MIB:-0} / 1024 / 42 ))
+[ "$WORKERS" -gt 3 ] && WORKERS=3
+[ "$WORKERS" -lt 1 ] && WORKERS=1
 XDIST_ARGS=()
-"$PY" -c "import xdist" 2>/dev/null && XDIST_ARGS=(-n 3)
-export XLA_PYTHON_CLIENT_MEM_FRACTION=0.3
+"$PY" -c "import xdist" 2>/dev/null && [ "$WORKERS" -gt 1 ] && XDIST_ARGS=(-n "$WORKERS")
+export XLA_PYTHON_CLIENT_MEM_FRACTION=$("$PY" -c "print(round(0.9 / $WORKERS, 2))")
+echo "=== gpu_check: ${MEM_MIB:-?} MiB of GPU memory: $WORKERS pytest worker(s), memory fraction $XLA_PYTHON_CLIENT_MEM_FRACTION each"
 part gpu_tests "$LIM_TESTS" "$PY" -m pytest -m "gpu and not experimental" tests/ \
   -q -rfEs --durations=8 --continue-on-collection-errors "${TIMEOUT_ARGS[@]}" "${XDIST_ARGS[@]}"
 unset XLA_PYTHON_CLIENT_MEM_FRACTION

@@ -288,6 +288,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk-size", type=int, default=4096)
     ap.add_argument("--max-batched-tokens", type=int, default=4096)
     ap.add_argument("--prefill-attention-pairs", type=int, default=EngineConfig.prefill_attention_pairs)
+    ap.add_argument("--token-buckets", default="512",
+                    help="mixed-step token capacities below --max-batched-tokens (a capped step with decode rows "
+                         "runs the smallest that holds it: 128 keeps a 32-decoder + ~20-token step small)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--budget-s", type=float, default=285.0, help="skip what no longer fits after this")
     ap.add_argument("--tasks", default="kernel,long,stall")
@@ -330,7 +333,8 @@ def main(argv: list[str] | None = None) -> int:
     pages = (a.decoders * -(-(a.decode_ctx + a.decoder_new) // ps) + 2 * -(-longest // ps) + 8)
     ecfg = EngineConfig(num_pages=pages, max_batch=a.decoders + 8, max_batched_tokens=a.max_batched_tokens,
                         chunk_size=a.chunk_size, prefill_attention_pairs=a.prefill_attention_pairs,
-                        row_buckets=(a.decoders + 8,) if a.tiny else (1,), token_buckets=() if a.tiny else (512,))
+                        row_buckets=(a.decoders + 8,) if a.tiny else (1,),
+                        token_buckets=() if a.tiny else tuple(int(t) for t in a.token_buckets.split(",") if t))
     eng = Engine(handle, ecfg)
     res["engine_config"] = {k: (list(v) if isinstance(v, tuple) else v) for k, v in ecfg.__dict__.items()}
     res["warmup"] = timed_warmup_greedy(eng)
