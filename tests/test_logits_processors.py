@@ -235,3 +235,25 @@ def test_the_step_lays_out_processor_fields_only_in_full_mode():
     plain = step.build([step.RowPlan(0, 1, 0, [5], 1, False, True, 0, 0, [1], 0.0, 1.0, 0, 0, 0)],
                        spec_k=0, shapes=shapes, width=4, logprobs=False)
     assert not plain.key.full and "fresh" not in dict(step.int_fields(plain.key))
+
+
+def test_speculative_engine_gives_processed_requests_no_drafts():
+    """With MTP drafts on, a processed request decodes one token per step (its counts must see each token
+    before the next draw) and equals the engine without drafts; a plain request beside it keeps drafting."""
+    from tests.test_engine import CFG as MTP_CFG
+    from tests.test_engine import _mtp_friendly_params
+
+    h = ModelHandle(MTP_CFG, _mtp_friendly_params(MTP_CFG, 1, 4.0))
+    p = LogitsProcessing(repetition_penalty=1.4, presence_penalty=0.5)
+    prompts = [[7, 8, 9, 10, 7, 8], [20, 21, 22]]
+    want = [r.output for r in _run(Engine(h, EngineConfig(**ECFG)), prompts, max_new_tokens=10,
+                                   processing=p)]
+    spec = Engine(h, EngineConfig(**{**ECFG, "spec_k": 2}))
+    rids = [spec.add_request(q, max_new_tokens=10, processing=p) for q in prompts]
+    plain = spec.add_request(prompts[1], max_new_tokens=10)
+    for _ in spec.run():
+        pass
+    assert [spec.finished[r].output for r in rids] == want
+    assert all(spec.finished[r].spec_proposed == 0 for r in rids) and spec.finished[plain].spec_proposed > 0
+    for q, out in zip(prompts, want):
+        _check_greedy(h, q, out, p)
