@@ -257,3 +257,29 @@ def test_speculative_engine_gives_processed_requests_no_drafts():
     assert all(spec.finished[r].spec_proposed == 0 for r in rids) and spec.finished[plain].spec_proposed > 0
     for q, out in zip(prompts, want):
         _check_greedy(h, q, out, p)
+
+
+def test_request_stream_min_tokens_delays_stop_strings_and_keeps_them_when_asked():
+    """vLLM: stop strings are looked for only after min_tokens tokens; include_stop_str_in_output keeps
+    the stop string that ended the text."""
+    from dsv3_jax.engine.api import StepEvent
+    from dsv3_jax.request_stream import RequestStream, resolve
+    from dsv3_jax.text.tokenizer import Tokenizer
+
+    tok = Tokenizer.default()
+    ids = tok.encode("a b a b c", add_bos=False)
+
+    def text(**kw):
+        s = RequestStream(resolve({}, max_new_tokens=20, stop=[" b"], **kw), tok)
+        out = ""
+        for i, t in enumerate(ids):
+            d = s.on_event(StepEvent(0, [t], i == len(ids) - 1, "length" if i == len(ids) - 1 else None))
+            out += d.text
+            if s.done:
+                break
+        return out, s.finish_reason
+
+    assert text() == ("a", "stop")
+    assert text(include_stop_str_in_output=True) == ("a b", "stop")
+    n = len(tok.encode("a b", add_bos=False))  # the first " b" lies inside the first min_tokens tokens
+    assert text(processing={"min_tokens": n}) == ("a b a", "stop")
