@@ -328,3 +328,26 @@ def test_encode_batch_equals_encode_and_frees_the_gil(tokenizer):
     # Holding the GIL, the ticker would stop for the whole call; released, it only waits for the list
     # of ids to be built at the end (a small share of the call).
     assert max(gaps) < 0.5 * elapsed, (max(gaps), elapsed)
+
+
+def test_a_huge_prompt_is_refused_before_its_ids_are_built(locked, tokenizer):
+    """A text prompt past the cap is refused from the tokenizer's count (no 1.2M-entry id list built with
+    the GIL held), in the same words as a token-id prompt past the cap; both paths (completions, chat)."""
+    from dsv3_jax.text.tokenizer import TooManyTokens
+
+    http, _ = locked
+    client = _client(http)
+    text = "word " * 600  # > 64 tokens, inside the test server's 4 KB body limit
+    with pytest.raises(TooManyTokens) as e:
+        tokenizer.encode_batch(["short", text], max_tokens=MAX_MODEL_LEN)
+    assert e.value.index == 1 and e.value.tokens == len(tokenizer.encode(text)) > MAX_MODEL_LEN
+    assert tokenizer.encode_batch(["short"], max_tokens=MAX_MODEL_LEN) == [tokenizer.encode("short")]
+    calls = {"prompt": lambda: client.completions.create(model="dsv3", prompt=text, max_tokens=1),
+             "messages": lambda: client.chat.completions.create(
+                 model="dsv3", messages=[{"role": "user", "content": text}], max_tokens=1)}
+    for param, call in calls.items():
+        with pytest.raises(openai.BadRequestError) as e:
+            call()
+        assert e.value.body["param"] == param
+        assert "maximum context length is 64 tokens" in e.value.body["message"], e.value.body
+        assert "--max-model-len 64" in e.value.body["message"]

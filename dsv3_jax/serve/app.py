@@ -43,6 +43,7 @@ from dsv3_jax.serve.metrics import CONTENT_TYPE, Metrics
 from dsv3_jax.serve.parsers import ChatOutputParser, detect_tool_format, tool_description
 from dsv3_jax.serve.runner import EngineDown, EngineRunner, Overloaded, Submission
 from dsv3_jax.text.chat import apply_chat_template, encode_chat
+from dsv3_jax.text.tokenizer import TooManyTokens
 
 log = logging.getLogger(__name__)
 request_log = logging.getLogger("dsv3_jax.serve.requests")  # one line per finished request
@@ -209,15 +210,28 @@ class Service:
             text = apply_chat_template(self.tokenizer, messages,
                                        add_generation_prompt=req.add_generation_prompt,
                                        continue_final_message=req.continue_final_message, **kwargs)
-            return self.tokenizer.encode_batch([text], add_bos=False)[0]  # as encode_chat, GIL released
+            # as encode_chat, GIL released; a prompt with no room for one new token is refused unbuilt
+            return self.tokenizer.encode_batch([text], add_bos=False, max_tokens=self.limits.capacity - 1)[0]
+        except TooManyTokens as e:
+            raise self._too_long(e, "messages") from None
         except (ValueError, TypeError, jinja2.TemplateError) as e:
             raise P.RequestError(f"chat template: {e}", "messages") from e
 
     def encode_prompts(self, prompts: list[str | list[int]]) -> list[list[int]]:
         """Token ids of each prompt (`encode_batch`: the tokenizer releases the GIL meanwhile)."""
         texts = [p for p in prompts if isinstance(p, str)]
-        encoded = iter(self.tokenizer.encode_batch(texts) if texts else [])
+        room = self.limits.capacity - 1  # a prompt must leave room for one new token
+        try:
+            encoded = iter(self.tokenizer.encode_batch(texts, max_tokens=room) if texts else [])
+        except TooManyTokens as e:
+            raise self._too_long(e, "prompt") from None
         return [next(encoded) if isinstance(p, str) else list(p) for p in prompts]
+
+    def _too_long(self, e: TooManyTokens, param: str) -> P.RequestError:
+        """A prompt refused while encoding (its id list never built): `_refusal`'s words."""
+        return P.RequestError(f"the prompt has {e.tokens} tokens; the server fits at most {e.bound}: this "
+                              f"model's maximum context length is {self.limits.capacity} tokens "
+                              f"({self._cap_reason()})", param)
 
     def grammar(self, req: P._SamplingRequest) -> Any:
         """The request's structured-output grammar (structured.compile_format; None: free text), built on
