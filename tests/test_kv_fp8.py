@@ -277,3 +277,22 @@ def test_pallas_backend_reads_fp8_pages_through_the_logged_reference(caplog):
     np.testing.assert_array_equal(np.asarray(o), np.asarray(ref))
     np.testing.assert_array_equal(np.asarray(lse), np.asarray(ref_lse))
     assert "uint8" in caplog.text or kernel_dispatch._log_mla_shape_fallback.cache_info().hits > 0
+
+
+def test_gpu_benchmark_runs_tiny_on_cpu(tmp_path):
+    """benchmarks/kv_fp8_gpu.py --tiny: the FP8 path the model runs vs the fp32 reference on the same FP8
+    pages within the script's bf16 bound, the bf16 kernel timed beside it, JSON written (the GPU run of the
+    same code is the lead's)."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import kv_fp8_gpu
+
+    out = tmp_path / "kv_fp8_gpu.json"
+    res = kv_fp8_gpu.main(["--tiny", "--out", str(out)])
+    assert json.loads(out.read_text())["checks"] == res["checks"]
+    assert all(0 < c["max_rel_err"] <= kv_fp8_gpu.ERR_BOUND for c in res["checks"])
+    assert res["fp8_path"] in ("kernel", "reference (logged fallback)")
+    assert res["timings"] and all(r["fp8"]["median_ms"] > 0 for r in res["timings"])
