@@ -145,6 +145,15 @@ def test_request_id_usage_stats_and_labels(served):
     r = _chat(client, max_tokens=2, temperature=0, store=False, metadata={"k": "v"}, user="u",
               service_tier="auto", extra_body={"request_id": "abc-123"})
     assert r.id == "chatcmpl-abc-123"
+    # vLLM's header form: X-Request-Id names the response (the body's field wins) and comes back as a header.
+    _, http, _, _ = served
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "temperature": 0}
+    h = http.post("/v1/chat/completions", json=body, headers={"X-Request-Id": "hdr-7"})
+    assert h.status_code == 200 and h.json()["id"] == "chatcmpl-hdr-7"
+    assert h.headers["x-request-id"] == "hdr-7"
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 2, "request_id": "b-1"}
+    h = http.post("/v1/completions", json=body, headers={"X-Request-Id": "hdr-8"})
+    assert h.json()["id"] == "cmpl-b-1" and h.headers["x-request-id"] == "hdr-8"
     chunks = list(_chat(client, max_tokens=3, temperature=0, stream=True,
                         stream_options={"include_usage": True, "continuous_usage_stats": True}))
     usage = [c.usage for c in chunks if c.choices]

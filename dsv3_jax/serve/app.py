@@ -403,11 +403,17 @@ def _short(value: Any) -> str:
 _ROUTES = ("/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions")
 
 
+def _request_id(request: Request, req: P._SamplingRequest) -> str | None:
+    """The client's id for this request: the body's `request_id`, else the `X-Request-Id` header."""
+    return req.request_id or request.headers.get("x-request-id") or None
+
+
 class _Gate:
     """ASGI middleware in front of the routes: counts every HTTP answer by route and status (4xx/5xx
     included), refuses a body whose Content-Length exceeds the limit (413) and, with API keys, every /v1
     route without `Authorization: Bearer KEY` (401). /health and /metrics stay open (as in vLLM); CORS
-    preflights are answered by the CORS middleware outside this one."""
+    preflights are answered by the CORS middleware outside this one. A request's `X-Request-Id` header
+    comes back on its answer (as vLLM's --enable-request-id-headers does; here always)."""
 
     def __init__(self, app: Any, svc: Service):
         self.app, self.svc = app, svc
@@ -420,10 +426,14 @@ class _Gate:
         handler = path if path in _ROUTES else ("/v1/models/{model}" if path.startswith("/v1/models/")
                                                 else "other")
         status = [500]
+        request_id = dict(scope["headers"]).get(b"x-request-id")
 
         async def counted_send(message: dict) -> None:
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
+                if request_id is not None:
+                    headers = [*message.get("headers", []), (b"x-request-id", request_id)]
+                    message = {**message, "headers": headers}
             await send(message)
 
         try:
@@ -510,8 +520,8 @@ def create_app(svc: Service) -> FastAPI:
         tools = ({t.function.name for t in req.tools} if req.tools and req.tool_choice != "none" else False)
         choices = [_Choice(svc, s, chat=True, thinking=req.thinking, tools=tools,
                            num_logprobs=req.num_logprobs) for s in subs]
-        ctx = _Ctx(svc, "chat", P.response_id("chatcmpl", req.request_id), [len(prompt)], [prompt], arrival,
-                   req, choices)
+        rid = P.response_id("chatcmpl", _request_id(request, req))
+        ctx = _Ctx(svc, "chat", rid, [len(prompt)], [prompt], arrival, req, choices)
         if req.stream:
             return _sse(_chat_stream(ctx, choices))
         return await _complete(request, ctx, choices, _chat_response)
@@ -533,8 +543,8 @@ def create_app(svc: Service) -> FastAPI:
         subs = svc.submit_all(flat, params, skip_special_tokens=req.skip_special_tokens)
         choices = [_Choice(svc, s, chat=False, thinking=False, tools=False, num_logprobs=req.num_logprobs)
                    for s in subs]
-        ctx = _Ctx(svc, "completions", P.response_id("cmpl", req.request_id), [len(p) for p in prompts],
-                   prompts, arrival, req, choices)
+        rid = P.response_id("cmpl", _request_id(request, req))
+        ctx = _Ctx(svc, "completions", rid, [len(p) for p in prompts], prompts, arrival, req, choices)
         if req.echo:
             echoed = await svc.run(lambda: [svc.tokenizer.decode(p, skip_special_tokens=True) for p in flat])
             for c, text in zip(choices, echoed):
