@@ -187,7 +187,6 @@ def test_generate_on_two_processes_matches_one(tmp_path):
     assert np.mean([len(w.token_ids) for w in want]) > 1
 
 
-@pytest.mark.slow
 def test_serve_on_two_processes_with_mtp_answers_an_openai_client():
     """Process 0 serves HTTP (loopback, a free port) and schedules; process 1 replays its steps. Greedy
     answers equal one process's on the same mesh, MTP drafts were proposed (the server's counters), and one

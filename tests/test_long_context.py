@@ -105,7 +105,6 @@ def test_token_slice_equals_slicing_the_whole_sequence():
             assert r.token_slice(a, b) == full[a:b], (a, b)
 
 
-@pytest.mark.slow
 def test_capped_chunks_give_the_same_tokens_through_the_engine():
     """Decoders plus a long prompt, with a tight cap (chunks of a few tokens) and without: same greedy
     tokens for everyone, and the capped run really cut the long prompt into more, smaller chunks."""
@@ -137,7 +136,6 @@ def test_capped_chunks_give_the_same_tokens_through_the_engine():
     assert steps[600] > steps[0]
 
 
-@pytest.mark.slow
 def test_the_plans_concurrency_is_what_the_engine_runs_before_preempting():
     """pool_plan's `max_requests` full-length requests run at once without preemption; one more request
     (admitted while short, growing to full length) makes the engine preempt: the number is exact."""
@@ -174,7 +172,6 @@ def test_the_plans_concurrency_is_what_the_engine_runs_before_preempting():
             assert eng.stats["preemptions"] > before
 
 
-@pytest.mark.slow
 def test_long_context_benchmark_runs_end_to_end_at_toy_sizes(tmp_path):
     """benchmarks/long_context.py --tiny: every section on CPU (reference kernels), the GPU run's code."""
     import json
