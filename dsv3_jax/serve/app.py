@@ -22,7 +22,9 @@ import dataclasses
 import hmac
 import json
 import logging
+import os
 import random
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -52,6 +54,9 @@ _SEED_MOD = 2**31  # the engine keeps seeds as int32
 _DISCONNECT_POLL_S = 0.25  # how often a non-streaming handler checks that its client is still there
 _TYPE_TAGS = ("str", "int", "float", "bool", "list", "dict", "none", "literal")  # pydantic union branch names
 _HOST_THREADS = 2  # tokenizing / rendering off the event loop (the tokenizer releases the GIL)
+# The host threads run below the engine thread's priority: a 5 MB prompt is seconds of tokenizer CPU, and
+# on a box with few cores it would otherwise take a core from the engine's step and stall every stream.
+_HOST_NICE = 10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,7 +163,8 @@ class Service:
         self.created = P.now()
         self._token_text: dict[int, str] = {}
         self._seeds = random.Random(opts.seed)
-        self._pool = ThreadPoolExecutor(_HOST_THREADS, thread_name_prefix="dsv3-host")
+        self._pool = ThreadPoolExecutor(_HOST_THREADS, thread_name_prefix="dsv3-host",
+                                        initializer=_lower_thread_priority)
 
     async def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """`fn(*args, **kwargs)` on the host thread pool (tokenizing, rendering, parsing): the event loop
@@ -401,6 +407,14 @@ def _short(value: Any) -> str:
 
 
 _ROUTES = ("/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions")
+
+
+def _lower_thread_priority() -> None:
+    """Nice the calling thread (Linux: a thread is a schedulable task with its own nice value)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _HOST_NICE)
+    except (AttributeError, OSError) as e:  # not Linux, or not permitted: host work keeps normal priority
+        log.info("host threads keep normal priority (%s)", e)
 
 
 def _request_id(request: Request, req: P._SamplingRequest) -> str | None:
