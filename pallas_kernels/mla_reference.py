@@ -11,9 +11,10 @@ Scores are `q_latent . c + q_rope . k_rope`, values are `c`; the output is the a
 
 The widths, page size, argument checks and the padding-row rule live in `mla_common.py`.
 
-FP8 cache: `kv_pages [num_pages, page_size, row] uint8` holds the FP8 rows of `mla_common` (latent e4m3
-with per-128 fp32 scales, rope bf16; 656 bytes for DeepSeek-V3); every reference dequantizes the gathered
-pages (`mla_common.dequantize_kv`) into q's dtype and then computes exactly as for a value cache.
+FP8 cache: `kv_pages` may be `mla_common.Fp8Pages` (latent [P, page_size, L] e4m3, scale [P, L/128,
+page_size] fp32, rope [P, page_size, R] bf16; 656 bytes per token for DeepSeek-V3); every reference
+dequantizes the gathered pages (`mla_common.dequantize_kv`) into q's dtype and then computes exactly as
+for a value cache.
 
 Cache slots past a sequence's length may hold any *finite* value: they are masked out of the softmax,
 but a NaN there would still reach the output through `0 * NaN`.
@@ -23,12 +24,13 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.mla_common import (
+    Fp8Pages,
     as_4d,
+    cache_widths,
     check_cache_args,
     check_chunk_query,
     clamp_page_ids,
     dequantize_kv,
-    fp8_row_bytes,
     is_fp8_cache,
     mask_padding_rows,
 )
@@ -52,17 +54,18 @@ def paged_attention_reference(
     b, nq, _, lat = q_latent.shape
     rope = q_rope.shape[-1]
     fp8 = is_fp8_cache(kv_pages)
-    want = fp8_row_bytes(lat, rope) if fp8 else lat + rope
-    if kv_pages.shape[-1] != want:
-        what = f"the FP8 row of q_latent {lat} + q_rope {rope} ({want} bytes)" if fp8 else \
-            f"q_latent {lat} + q_rope {rope}"
-        raise ValueError(f"kv_pages last dim {kv_pages.shape[-1]} != {what}")
-    page_size = kv_pages.shape[1]
+    num_pages, page_size, width = cache_widths(kv_pages)
+    if fp8 and kv_pages.latent.shape[-1] != lat:
+        raise ValueError(f"FP8 kv_pages latent width {kv_pages.latent.shape[-1]} != q_latent {lat}")
+    if width != lat + rope:
+        raise ValueError(f"kv_pages width {width} (latent + rope) != q_latent {lat} + q_rope {rope}")
     # Any latent width (512 for DeepSeek-V3; tiny test models use less); the kernels need 512 + 64.
-    pages = kv_pages[clamp_page_ids(block_table, kv_pages.shape[0])]
-    kv = pages.reshape(b, -1, kv_pages.shape[-1])  # [B, S_max, 576 values or 656 FP8 bytes], gathered pages
-    if fp8:
-        kv = dequantize_kv(kv, rope, q_latent.dtype)
+    ids = clamp_page_ids(block_table, num_pages)
+    if fp8:  # dequantized page by page (scale block-major per page), then as a value cache
+        pages = dequantize_kv(Fp8Pages(*(x[ids] for x in kv_pages)), rope, q_latent.dtype)
+    else:
+        pages = kv_pages[ids]
+    kv = pages.reshape(b, -1, width)  # [B, S_max, 576], gathered pages
     scores = jnp.einsum("bqhc,bsc->bqhs", q_latent, kv[..., :lat], preferred_element_type=jnp.float32)
     scores += jnp.einsum("bqhr,bsr->bqhs", q_rope, kv[..., lat:], preferred_element_type=jnp.float32)
     scores *= softmax_scale

@@ -52,12 +52,15 @@ def _latents(key, shape, spread: float = 6.0):
 def test_round_trip_bound(latent, rope, pow2):
     x = _latents(jax.random.key(latent), (5, 7, latent))
     r = jax.random.normal(jax.random.key(1), (5, 7, rope)) * 3.0
-    rows = quantize_kv(x, r, pow2_scales=pow2)
-    assert rows.dtype == jnp.uint8 and rows.shape == (5, 7, fp8_row_bytes(latent, rope))
-    back = dequantize_kv(rows, rope, jnp.float32)
+    nb = -(-latent // 128)
+    pages = quantize_kv(x, r, pow2_scales=pow2)  # 5 pages of 7 tokens
+    assert [(a.shape, a.dtype) for a in pages] == [
+        ((5, 7, latent), jnp.float8_e4m3fn), ((5, nb, 7), jnp.float32), ((5, 7, rope), jnp.bfloat16)]
+    assert sum(a[0, :1].nbytes if i != 1 else a[0, :, :1].nbytes for i, a in enumerate(pages)) == \
+        fp8_row_bytes(latent, rope)
+    back = dequantize_kv(pages, rope, jnp.float32)
     x_hat, r_hat = np.asarray(back[..., :latent]), np.asarray(back[..., latent:])
     x, r = np.asarray(x), np.asarray(r)
-    nb = -(-latent // 128)
     blocks = np.pad(np.abs(x), [(0, 0), (0, 0), (0, nb * 128 - latent)]).reshape(5, 7, nb, 128)
     amax = blocks.max(-1)
     scale = np.where(amax > 0, amax / 448.0, 1.0)
@@ -70,8 +73,10 @@ def test_round_trip_bound(latent, rope, pow2):
     # The bound is tight: some values do err by close to half an e4m3 ulp.
     assert np.max(err / np.maximum(bound, 1e-30)) > 0.5
     assert (np.abs(r_hat - r) <= 2.0**-8 * np.abs(r)).all()
-    zero = dequantize_kv(jnp.zeros((3, fp8_row_bytes(latent, rope)), jnp.uint8), rope)
-    assert not np.asarray(zero).any()  # cleared pages (all-zero bytes) read as zeros
+    zero = dequantize_kv(jax.tree.map(jnp.zeros_like, pages), rope)
+    assert not np.asarray(zero).any()  # cleared pages (all-zero bytes, scales 0 too) read as zeros
+    with pytest.raises(ValueError, match="rope"):
+        dequantize_kv(pages, rope + 1)
 
 
 def test_format_bytes_and_planner_ratio():
@@ -94,9 +99,16 @@ def test_format_bytes_and_planner_ratio():
         V3, "tensor=8", dtype="fp8", device_memory="141GB").tokens_per_device
     # The pool the engine allocates is what the layout declares.
     cache = jax.eval_shape(lambda: kv_cache.allocate(CFG, 8, 4, dtype="fp8", mtp=True))
-    want = fp8_row_bytes(CFG.kv_lora_rank, CFG.qk_rope_head_dim)
-    assert {(x.shape[-1], x.dtype) for x in jax.tree.leaves(cache)} == {(want, jnp.dtype(jnp.uint8))}
+    lat, nb, rope = CFG.kv_lora_rank, -(-CFG.kv_lora_rank // 128), CFG.qk_rope_head_dim
+    want = {layout.FP8_LATENT: ((8, 4, lat), jnp.float8_e4m3fn), layout.FP8_SCALE: ((8, nb, 4), jnp.float32),
+            layout.FP8_ROPE: ((8, 4, rope), jnp.bfloat16)}
     assert set(cache) == {layout.DENSE_LAYERS, layout.MOE_LAYERS, layout.MTP}
+    for name, pool in cache.items():
+        lead = () if name == layout.MTP else (getattr(CFG, f"n_{name.split('_')[0]}_layers"),)
+        assert {k: (v.shape, v.dtype) for k, v in pool.items()} == {
+            k: ((*lead, *shape), jnp.dtype(dt)) for k, (shape, dt) in want.items()}
+    # Per token per layer: exactly the format's bytes (656 for V3).
+    assert fp8 == fp8_row_bytes(512, 64) * V3.num_hidden_layers
 
 
 def test_bad_values_are_refused_in_one_line():
@@ -226,7 +238,8 @@ def test_fp8_engine_continuous_batching_equals_alone_and_mtp(fp8_handle):
     assert outs == [_alone(fp8_handle, p, 6) for p in prompts]
     eng = Engine(fp8_handle, EngineConfig(num_pages=64, page_size=4, spec_k=1, chunk_size=16))
     cache = eng.executor.cache
-    assert cache[layout.MTP][layout.PAGES].dtype == jnp.uint8
+    assert set(cache[layout.MTP]) == set(layout.FP8_LEAVES)
+    assert cache[layout.MTP][layout.FP8_LATENT].dtype == jnp.float8_e4m3fn
     rids = [eng.add_request(p, max_new_tokens=6) for p in prompts]
     while eng.has_work():
         eng.step()
@@ -237,7 +250,8 @@ def test_fp8_engine_continuous_batching_equals_alone_and_mtp(fp8_handle):
 def test_fp8_dp_attention_engine_matches_one_device(tmp_path_factory):
     """DP attention on 8 virtual devices (data=2, tensor=2, expert=2: 4 batch shards, each its own FP8 page
     slice) gives one device's FP8-cache tokens with prefix caching and preemption (test_dp_engine's
-    workload), each device holds 1/4 of the uint8 pool, and no compiled step moves FP8 pages."""
+    workload), each device holds 1/4 of each FP8 leaf (latent, scales, rope), and no compiled step moves
+    FP8 pages."""
     import dsv3_jax
     from dsv3_jax.engine.executor import compiled_programs
     from tests.hf_reference import make_hf_model, save_hf
@@ -248,14 +262,20 @@ def test_fp8_dp_attention_engine_matches_one_device(tmp_path_factory):
     handle = dsv3_jax.load(ckpt, mesh="data=2,tensor=2,expert=2", kv_cache_dtype="fp8")
     got, eng = _run(handle)
     assert got == want
-    row = fp8_row_bytes(handle.config.kv_lora_rank, handle.config.qk_rope_head_dim)
-    for leaf in jax.tree.leaves(eng.executor.cache):
-        assert leaf.dtype == jnp.uint8 and leaf.shape[-1] == row
-        assert all(s.data.nbytes * 4 == leaf.nbytes for s in leaf.addressable_shards)
-    kv_tail = f",{PS},{row}]"
+    hlo = {jnp.dtype(jnp.float8_e4m3fn): "f8e4m3fn", jnp.dtype(jnp.float32): "f32",
+           jnp.dtype(jnp.bfloat16): "bf16"}
+    local = set()  # each FP8 leaf's per-device shape as HLO spells it
+    for pool in eng.executor.cache.values():
+        assert set(pool) == set(layout.FP8_LEAVES)
+        for leaf in pool.values():
+            assert PS in leaf.shape[-2:]
+            assert all(s.data.nbytes * 4 == leaf.nbytes for s in leaf.addressable_shards)
+            shape = leaf.addressable_shards[0].data.shape
+            local.add(f"{hlo[leaf.dtype]}[{','.join(map(str, shape))}]")
     for compiled in compiled_programs(handle).values():
-        moving = [ln for ln in compiled.as_text().splitlines() if kv_tail in ln.split("(")[0] and any(
-            c in ln for c in ("all-gather(", "all-reduce(", "all-to-all(", "collective-permute("))]
+        ops = ("all-gather(", "all-reduce(", "all-to-all(", "collective-permute(")
+        moving = [ln for ln in compiled.as_text().splitlines()
+                  if any(t in ln.split("(")[0] for t in local) and any(c in ln for c in ops)]
         assert not moving, moving[:2]
 
 
@@ -276,7 +296,7 @@ def test_pallas_backend_reads_fp8_pages_through_the_logged_reference(caplog):
     ref, ref_lse = pallas_kernels.mla_prefill_reference(ql, qr, fp8, table, start, n, softmax_scale=0.1)
     np.testing.assert_array_equal(np.asarray(o), np.asarray(ref))
     np.testing.assert_array_equal(np.asarray(lse), np.asarray(ref_lse))
-    assert "uint8" in caplog.text or kernel_dispatch._log_mla_shape_fallback.cache_info().hits > 0
+    assert "fp8 pages" in caplog.text or kernel_dispatch._log_mla_shape_fallback.cache_info().hits > 0
 
 
 def test_gpu_benchmark_runs_tiny_on_cpu(tmp_path):

@@ -24,7 +24,17 @@ import jax.numpy as jnp
 
 from dsv3_jax.config import ModelConfig
 from dsv3_jax.model import kernel_dispatch as kernels
-from dsv3_jax.model.kv_cache import PageMeta, gather_pages, latent_rows, layer_view, write_pages
+from dsv3_jax.model import layout
+from dsv3_jax.model.kv_cache import (
+    PageMeta,
+    absorbed_leaves,
+    absorbed_pages,
+    gather_pages,
+    latent_rows,
+    layer_view,
+    write_leaves,
+    write_pages,
+)
 from dsv3_jax.model.layers import Linear, RMSNorm
 from dsv3_jax.model.rope import apply_rope, rope_angles
 from dsv3_jax.model.trace_options import TraceOptions
@@ -108,24 +118,33 @@ class MLA(nn.Module):
         if form == "absorbed":
             q_lat = jnp.einsum("bthd,hdr->bthr", q_nope, w_uk)
             if cache is not None:
-                # [B, T, 576] values, or [B, T, 656] FP8 rows for an FP8 pool (quantized here, on write)
-                new_latent = latent_rows(latent, k_pe, cache["pages"])
+                # The pool's leaves: `pages` ([B, T, 576] values new), or the FP8 cache's latent e4m3 /
+                # scales / rope (the new tokens quantized here, on write).
+                names = absorbed_leaves(cache)
+                new_rows = latent_rows(latent, k_pe, cache)
+                n = len(names)
 
-                def paged(pages, new, meta, start, q_lat, q_pe, *layer):
+                def paged(*args):
+                    pools, new, (meta, start, q_lat, q_pe, *layer) = args[:n], args[n:2 * n], args[2 * n:]
                     lay = layer[0] if layer else None
                     # The reads below see the written pool, not the old pool plus the new rows: otherwise
                     # XLA may fuse the write into the read and keep the old pool alive (a full copy).
-                    pages = jax.lax.optimization_barrier(write_pages(pages, new, meta, start, lay))
-                    flat, meta = layer_view(pages, meta, lay)
-                    o, _ = kernels.mla_attention(q_lat, q_pe, flat, meta.block_table, start, meta.chunk_lens,
-                                                 softmax_scale=scale, backend=backend)
-                    return o, pages
+                    pools = jax.lax.optimization_barrier(tuple(write_leaves(
+                        dict(zip(names, pools)), dict(zip(names, new)), meta, start, lay).values()))
+                    flat = {}
+                    for name, p in zip(names, pools):
+                        flat[name], lmeta = layer_view(p, meta, lay)
+                    o, _ = kernels.mla_attention(q_lat, q_pe, absorbed_pages(flat), lmeta.block_table, start,
+                                                 lmeta.chunk_lens, softmax_scale=scale, backend=backend)
+                    return (o, *pools)
 
                 # Per batch shard on its own pages (DP attention); as is on one shard.
-                o_lat, pages = dp_attention.shard_local(
-                    paged, (cache["pages"], new_latent, meta, start, q_lat, q_pe.astype(q_lat.dtype), *lay),
-                    (pool, "rows", "meta", "rows", "heads", "heads", *lay_layout), ("heads", pool))
-                cache = {"pages": pages}
+                o_lat, *pools = dp_attention.shard_local(
+                    paged, (*(cache[k] for k in names), *(new_rows[k] for k in names), meta, start, q_lat,
+                            q_pe.astype(q_lat.dtype), *lay),
+                    (*(pool,) * n, *("rows",) * n, "meta", "rows", "heads", "heads", *lay_layout),
+                    ("heads", *(pool,) * n))
+                cache = dict(zip(names, pools))
             else:
                 c_kv, k_rope = latent, k_pe
                 scores = (jnp.einsum("bthr,bsr->bhts", q_lat, c_kv, preferred_element_type=jnp.float32)
@@ -138,7 +157,7 @@ class MLA(nn.Module):
             v = jnp.einsum("btr,hvr->bthv", latent, w_uv)
             k = jnp.concatenate([k_nope, jnp.broadcast_to(k_pe[:, :, None, :], (b, t, h, dr))], axis=-1)
             if cache is not None:
-                if cache["k_pages"].dtype == jnp.uint8:
+                if layout.FP8_LATENT in cache:
                     raise ValueError("the FP8 KV cache needs attention='absorbed' (the naive form caches "
                                      "per-head K/V)")
                 def paged(kp, vp, k, v, meta, start, *layer):

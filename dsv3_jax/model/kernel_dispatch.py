@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -88,26 +89,27 @@ def _log_grouped_dtype_fallback(dtype: str) -> None:
 
 
 # ------------------------------------------------------------------------------- MLA attention
-def mla_attention(q_latent: jax.Array, q_rope: jax.Array, kv_pages: jax.Array, block_table: jax.Array,
+def mla_attention(q_latent: jax.Array, q_rope: jax.Array, kv_pages: Any, block_table: jax.Array,
                   start_pos: jax.Array, chunk_lens: jax.Array, *, softmax_scale: float, backend: str
                   ) -> tuple[jax.Array, jax.Array]:
     """Absorbed MLA for a chunk of new tokens over a paged latent cache (decode is a chunk of 1).
 
-    q_latent [B, T, H, R], q_rope [B, T, H, r], kv_pages [P, page, R + r]; token t of row b sits at
-    start_pos[b] + t (its latent already in the pages); rows t >= chunk_lens[b] are padding.
+    q_latent [B, T, H, R], q_rope [B, T, H, r], kv_pages [P, page, R + r] or `mla_common.Fp8Pages`; token
+    t of row b sits at start_pos[b] + t (its latent already in the pages); padding rows: t >= chunk_lens[b].
     Returns (out [B, T, H, R] before W_uv, lse [B, T, H]). The Pallas kernel needs DeepSeek's widths
     (512 + 64), its page size (`mla_common.PAGE_SIZE`, = cache.PAGE_SIZE) and bf16; other shapes
     use the reference (logged once). A ragged token batch calls this with one token per row (T = 1).
     `mla_prefill.mla_chunk_attention` owns the routing and the casts around kernel and reference.
     """
-    from pallas_kernels.mla_common import kernel_shape_error
+    from pallas_kernels.mla_common import is_fp8_cache, kernel_shape_error
     from pallas_kernels.mla_prefill import mla_chunk_attention
 
-    fits = (kernel_shape_error(q_latent.shape[-1], q_rope.shape[-1], kv_pages.shape) is None
+    fp8 = is_fp8_cache(kv_pages)  # no kernel reads the FP8 pages yet (issue 28): the reference does
+    fits = (not fp8 and kernel_shape_error(q_latent.shape[-1], q_rope.shape[-1], kv_pages.shape) is None
             and kv_pages.dtype == jnp.bfloat16)
     pallas = _pallas(backend)
     if pallas and not fits:
-        _log_mla_shape_fallback(tuple(q_latent.shape[-1:]), str(kv_pages.dtype))
+        _log_mla_shape_fallback(tuple(q_latent.shape[-1:]), "fp8 pages" if fp8 else str(kv_pages.dtype))
     # Off the GPU (forced "pallas" in tests) the kernel runs in Pallas' GPU interpreter (interpret=None).
     return mla_chunk_attention(q_latent, q_rope, kv_pages, block_table, start_pos, chunk_lens,
                                softmax_scale=softmax_scale, use_kernel=pallas and fits)

@@ -1,17 +1,19 @@
 """Paged KV caches: allocation from the declared layout, page metadata and the page read/write helpers.
 
 The cache layout (leaf names, shapes, dtypes, logical axes) is declared once in `layout.cache_layout`:
-absorbed form `pages [L, P, page_size, kv_lora_rank + rope]` (576 values per token per layer for V3),
+absorbed form `pages [L, P, page_size, kv_lora_rank + rope]` (576 values per token per layer for V3) or,
+FP8, the three leaves `layout.FP8_LEAVES` (latent e4m3, fp32 scales block-major per page, rope bf16),
 naive form `k_pages` / `v_pages`, one subtree per scanned stack plus the MTP layer; `allocate` is its
 zeros and `layout.bytes_per_token` its cost. A sequence's logical page i (positions i*page_size ...)
 lives in physical page `block_table[b, i]`; physical page 0 is scratch that is never handed out (padding
 tokens are written there). The page size is `PAGE_SIZE` (the MLA kernels keep their own copy,
 `pallas_kernels.mla_common.PAGE_SIZE`, since kernels import nothing from dsv3_jax; a test ties the two).
-`latent_rows` puts new tokens in the pool's format (an FP8 pool, uint8, quantizes them: the step's
-cache write does, in prefill and decode alike); `write_pages` / `gather_pages` are the only code that
-indexes pages (`layer_view` hands them one layer of a scanned stack without slicing it out);
-`clear_pages` zeroes pages (a request whose numbers went non-finite must not leave NaN where the next
-owner's masked slots would read it; zero FP8 rows read as zeros). `contiguous_table` gives each
+`latent_rows` puts new tokens in the pool's format (an FP8 pool quantizes them: the step's cache write
+does, in prefill and decode alike) and `absorbed_pages` gives the attention read its pool (one array or
+`mla_common.Fp8Pages`); `write_pages` / `gather_pages` are the only code that indexes pages (`layer_view`
+hands them one layer of a scanned stack without slicing it out); `clear_pages` zeroes pages (a request
+whose numbers went non-finite must not leave NaN where the next owner's masked slots would read it;
+zero FP8 pages, scales included, read as zeros). `contiguous_table` gives each
 sequence its own fixed run of pages; the engine allocates pages on demand.
 Owns: `PAGE_SIZE`, `PageMeta`, allocation and every page index. Must not declare cache shapes (layout.py),
 know the model's math or scheduling policy.
@@ -77,21 +79,40 @@ def allocate_contiguous(cfg: ModelConfig, batch: int, max_len: int, form: str = 
 
 
 # ----------------------------------------------------------------------------- page reads and writes
-def latent_rows(latent: jax.Array, k_rope: jax.Array, pages: jax.Array) -> jax.Array:
-    """The absorbed cache rows [B, T, row] of new tokens in `pages`' format: [c ; k_rope] values (cast to
-    the pool's dtype on write), or, for an FP8 pool (uint8), each token quantized into one FP8 row
-    (pallas_kernels.mla_common.quantize_kv: latent e4m3 with fp32 scales per 128 values, rope bf16)."""
-    if pages.dtype == jnp.uint8:
+def absorbed_leaves(pool: dict) -> tuple[str, ...]:
+    """The absorbed cache leaves a pool subtree holds: (`layout.PAGES`,) or `layout.FP8_LEAVES`."""
+    return layout.FP8_LEAVES if layout.FP8_LATENT in pool else (layout.PAGES,)
+
+
+def latent_rows(latent: jax.Array, k_rope: jax.Array, pool: dict) -> dict[str, jax.Array]:
+    """New tokens' cache entries, [B, T, ...] per absorbed leaf of `pool` (token-major, as `write_pages`
+    takes them): [c ; k_rope] values under `PAGES` (cast to the pool's dtype on write), or for an FP8 pool
+    each token quantized (pallas_kernels.mla_common.quantize_kv: latent e4m3, its fp32 scales per 128
+    values [B, T, nb], rope bf16)."""
+    if absorbed_leaves(pool) == layout.FP8_LEAVES:
         from pallas_kernels.mla_common import quantize_kv
 
-        return quantize_kv(latent, k_rope)
-    return jnp.concatenate([latent, k_rope], axis=-1)
+        q = quantize_kv(latent, k_rope)  # the chunk's T tokens as the "page" axis: scale [B, nb, T]
+        return {layout.FP8_LATENT: q.latent, layout.FP8_SCALE: jnp.swapaxes(q.scale, -1, -2),
+                layout.FP8_ROPE: q.rope}
+    return {layout.PAGES: jnp.concatenate([latent, k_rope], axis=-1)}
+
+
+def absorbed_pages(pool: dict) -> jax.Array:
+    """What `kernel_dispatch.mla_attention` reads from a pool subtree (flat leaves, `layer_view`): the
+    `PAGES` array, or the FP8 leaves as one `mla_common.Fp8Pages`."""
+    if absorbed_leaves(pool) == layout.FP8_LEAVES:
+        from pallas_kernels.mla_common import Fp8Pages
+
+        return Fp8Pages(*(pool[n] for n in layout.FP8_LEAVES))
+    return pool[layout.PAGES]
 
 
 def write_pages(pages: jax.Array, new: jax.Array, meta: PageMeta, start: jax.Array,
-                layer: jax.Array | None = None) -> jax.Array:
+                layer: jax.Array | None = None, slot_last: bool = False) -> jax.Array:
     """Scatter new [B, T, ...] into pages [P, page_size, ...] at positions start + t (t < chunk_lens); with
-    `layer`, into layer `layer` of a stacked leaf [L, P, page_size, ...] (returned stacked).
+    `layer`, into layer `layer` of a stacked leaf [L, P, page_size, ...] (returned stacked). `slot_last`:
+    the leaf is [P, n, page_size] (the FP8 scales, block-major per page) and new is [B, T, n].
 
     Padding tokens (t >= chunk_lens[b]) go to page 0, the pool's never-allocated scratch page.
     Why the stacked form writes the stack itself rather than `layer_view`'s flat view: a write through a
@@ -99,14 +120,22 @@ def write_pages(pages: jax.Array, new: jax.Array, meta: PageMeta, start: jax.Arr
     simplification) copied its whole pool every step.
     """
     b, t = new.shape[:2]
-    ps = pages.shape[1 if layer is None else 2]
+    ps = pages.shape[-1] if slot_last else pages.shape[1 if layer is None else 2]
     pos = start[:, None] + jnp.arange(t)[None, :]  # [B, T]
     logical = jnp.minimum(pos // ps, meta.block_table.shape[1] - 1)
     page = jnp.take_along_axis(meta.block_table, logical, axis=1)
     page = jnp.where(meta.token_valid(t), page, 0)
-    if layer is None:
-        return pages.at[page, pos % ps].set(new.astype(pages.dtype))
-    return pages.at[layer, page, pos % ps].set(new.astype(pages.dtype))
+    lead = () if layer is None else (layer,)
+    # [page, :, slot] with [B, T] index arrays: numpy puts the broadcast [B, T] first, [B, T, n] = new.
+    idx = (*lead, page, slice(None), pos % ps) if slot_last else (*lead, page, pos % ps)
+    return pages.at[idx].set(new.astype(pages.dtype))
+
+
+def write_leaves(pool: dict, new: dict, meta: PageMeta, start: jax.Array,
+                 layer: jax.Array | None = None) -> dict:
+    """`write_pages` for each leaf of `new` (from `latent_rows`) into `pool`'s leaf of that name."""
+    return {n: write_pages(pool[n], x, meta, start, layer, slot_last=n == layout.FP8_SCALE)
+            for n, x in new.items()}
 
 
 def layer_view(pages: jax.Array, meta: PageMeta, layer: jax.Array | None) -> tuple[jax.Array, PageMeta]:

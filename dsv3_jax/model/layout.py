@@ -1,7 +1,8 @@
 """Every parameter and cache array declared once: shape, dtype and logical axes (`ArrayInfo`).
 
 Owns: the names of the trees' leaves (one constant per name: the scanned stacks `DENSE_LAYERS` /
-`MOE_LAYERS`, the `MTP` subtree, the cache leaves `PAGES`, `K_PAGES`, `V_PAGES`), the logical-axis
+`MOE_LAYERS`, the `MTP` subtree, the cache leaves `PAGES`, `K_PAGES`, `V_PAGES` and the FP8 cache's
+`FP8_LATENT`, `FP8_SCALE`, `FP8_ROPE`), the logical-axis
 vocabulary (`LOGICAL_AXES`), the logical axes of every parameter and cache leaf by name
 (`PARAM_AXES`, `CACHE_AXES`, looked up through `param_axes` / `cache_axes`), and the two declarations:
 - `param_layout(cfg, dtype, include_mtp, fp8=...)`: the parameter tree of ArrayInfo, leaf for leaf the
@@ -11,8 +12,10 @@ vocabulary (`LOGICAL_AXES`), the logical axes of every parameter and cache leaf 
   Absorbed form: `pages [L, P, page_size, kv_lora_rank + rope]` (576 values per token per layer for
   V3); naive form: `k_pages [L, P, page_size, H, 192]`, `v_pages [L, P, page_size, H, 128]`; one
   subtree per scanned stack plus the MTP layer's (no layer axis). The cache dtype may be "fp8"
-  (`kv_cache_dtype` resolves `--kv-cache-dtype`): absorbed `pages [L, P, page_size, 656]` uint8, one FP8
-  row per token in the format pallas_kernels/mla_common.py owns (shared with the kernels).
+  (`kv_cache_dtype` resolves `--kv-cache-dtype`): absorbed form as three typed leaves in the format
+  pallas_kernels/mla_common.py owns (shared with the kernels): `fp8_latent [L, P, page_size, 512]`
+  float8_e4m3fn, `fp8_scale [L, P, 4, page_size]` float32 (block-major per page), `fp8_rope
+  [L, P, page_size, 64]` bfloat16: 656 bytes per token per layer.
 Everything else derives from these: `kv_cache.allocate` (zeros of the cache layout), `bytes_per_token`,
 parallel/sharding.py's shardings (logical axes -> mesh axes through its one rules table), and plan.py's
 bytes per device. Must not allocate arrays, know meshes, or hold model math.
@@ -42,7 +45,11 @@ PAGES = "pages"  # absorbed cache: [c ; k_rope] per token
 K_PAGES = "k_pages"  # naive cache: per-head K
 V_PAGES = "v_pages"  # naive cache: per-head V
 FORMS = ("absorbed", "naive")
+FP8_LATENT = "fp8_latent"  # FP8 absorbed cache: latent c in e4m3, [P, page_size, kv_lora_rank]
+FP8_SCALE = "fp8_scale"  # its fp32 scales, one per 128 latent values, block-major per page [P, nb, page_size]
+FP8_ROPE = "fp8_rope"  # its k_rope in bf16, [P, page_size, rope]
 CACHE_LEAVES = {"absorbed": (PAGES,), "naive": (K_PAGES, V_PAGES)}
+FP8_LEAVES = (FP8_LATENT, FP8_SCALE, FP8_ROPE)  # the absorbed form's leaves with kv_cache_dtype "fp8"
 
 # ------------------------------------------------------------------------------ logical axes
 # The one vocabulary of logical axes; parallel/sharding.LOGICAL_RULES maps each to mesh axes.
@@ -102,6 +109,10 @@ CACHE_AXES: dict[str, tuple[str, ...]] = {
     PAGES: ("cache_pages", "page_slot", "kv_latent"),
     K_PAGES: ("cache_pages", "page_slot", "heads", "head_dim"),
     V_PAGES: ("cache_pages", "page_slot", "heads", "head_dim"),
+    # The FP8 leaves split pages like PAGES; the scale's block axis is the latent axis in blocks of 128.
+    FP8_LATENT: ("cache_pages", "page_slot", "kv_latent"),
+    FP8_SCALE: ("cache_pages", "kv_latent", "page_slot"),
+    FP8_ROPE: ("cache_pages", "page_slot", "kv_latent"),
 }
 
 
@@ -289,7 +300,7 @@ def token_shapes(cfg: ModelConfig, form: str = "absorbed") -> dict[str, tuple[in
 
 
 KV_CACHE_DTYPES = ("auto", "bf16", "fp8")  # EngineConfig.kv_cache_dtype / --kv-cache-dtype (vLLM's names)
-FP8 = "fp8"  # the FP8 latent cache: one uint8 row per token (pallas_kernels.mla_common's format)
+FP8 = "fp8"  # the FP8 latent cache: `FP8_LEAVES` (pallas_kernels.mla_common's format)
 
 
 def kv_cache_dtype(cfg: ModelConfig, name: str | None) -> Any:
@@ -314,25 +325,29 @@ def cache_layout(cfg: ModelConfig, num_pages: int, page_size: int, form: str = "
                  mtp: bool = False) -> dict[str, Any]:
     """The paged cache tree of ArrayInfo: `num_pages` pages of `page_size` tokens for every layer, in
     `dtype` (default: the config's compute dtype); the MTP layer's own pool when `mtp` and the config
-    has one. `dtype` "fp8" (`FP8`): the FP8 latent cache, absorbed form only: `pages [.., page_size, row]`
-    uint8 with row = `mla_common.fp8_row_bytes` (latent e4m3 + fp32 scale per 128 values + rope bf16:
-    656 bytes for V3 vs 1,152 in bf16)."""
+    has one. `dtype` "fp8" (`FP8`): the FP8 latent cache, absorbed form only, three leaves (`FP8_LEAVES`):
+    latent e4m3 `[.., page_size, kv_lora_rank]`, fp32 scales per 128 latent values block-major per page
+    `[.., ceil(kv_lora_rank / 128), page_size]`, rope bf16 `[.., page_size, rope]` (656 bytes per token for
+    V3 vs 1,152 in bf16; `mla_common.Fp8Pages`)."""
     if is_fp8(dtype):
         if form != "absorbed":
             raise ValueError("kv_cache_dtype 'fp8' needs attention='absorbed': the naive form caches "
                              "per-head K/V, the FP8 cache is the absorbed form's latent")
-        from pallas_kernels.mla_common import fp8_row_bytes
+        from pallas_kernels.mla_common import fp8_blocks
 
-        dtype = jnp.dtype(jnp.uint8)
-        per_token = {PAGES: (fp8_row_bytes(cfg.kv_lora_rank, cfg.qk_rope_head_dim),)}
+        lat = cfg.kv_lora_rank
+        # leaf -> (shape after the page axis, dtype)
+        leaves = {FP8_LATENT: ((page_size, lat), jnp.dtype(jnp.float8_e4m3fn)),
+                  FP8_SCALE: ((fp8_blocks(lat), page_size), jnp.dtype(jnp.float32)),
+                  FP8_ROPE: ((page_size, cfg.qk_rope_head_dim), jnp.dtype(jnp.bfloat16))}
     else:
-        dtype = jnp.dtype(dtype or cfg.dtype)
-        per_token = token_shapes(cfg, form)
+        dt = jnp.dtype(dtype or cfg.dtype)
+        leaves = {name: ((page_size, *shape), dt) for name, shape in token_shapes(cfg, form).items()}
 
     def pool(layers: tuple[int, ...]) -> dict[str, ArrayInfo]:
         lead = ("layers",) if layers else ()
-        return {name: ArrayInfo((*layers, num_pages, page_size, *shape), dtype, lead + CACHE_AXES[name])
-                for name, shape in per_token.items()}
+        return {name: ArrayInfo((*layers, num_pages, *shape), dt, lead + CACHE_AXES[name])
+                for name, (shape, dt) in leaves.items()}
 
     cache: dict[str, Any] = {}
     if cfg.n_dense_layers:
