@@ -27,6 +27,10 @@ from dsv3_jax.engine.core import Engine, EngineConfig
 from dsv3_jax.model import kv_cache, layout
 from pallas_kernels.mla_common import (
     FP8_KV_BYTES,
+    LATENT_DIM,
+    PAGE_SIZE,
+    ROPE_DIM,
+    Fp8Pages,
     dequantize_kv,
     fp8_row_bytes,
     quantize_kv,
@@ -316,3 +320,96 @@ def test_gpu_benchmark_runs_tiny_on_cpu(tmp_path):
     assert all(0 < c["max_rel_err"] <= kv_fp8_gpu.ERR_BOUND for c in res["checks"])
     assert res["fp8_path"] in ("kernel", "reference (logged fallback)")
     assert res["timings"] and all(r["fp8"]["median_ms"] > 0 for r in res["timings"])
+
+
+def _probe_page_kernel(pages: Fp8Pages, page: int, interpret: bool) -> jax.Array:
+    """A Mosaic GPU probe: TMA-load page `page` of each FP8 leaf into shared memory (latent e4m3 [64, 512] in
+    (8, 128) tiles with the 128-B swizzle, scales [4, 64] f32 untiled, rope bf16 [64, 64] in (8, 64) tiles
+    with the swizzle), dequantize in registers (a WGMMA-layout load of each 128-column latent block times
+    its scale row as a per-row vector) into a bf16 [64, 576] tile in wgmma operand layout, store it out."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    row = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a WGMMA tile: a per-token vector
+    swz = plgpu.SwizzleTransform(128)
+    t8, t16 = plgpu.TilingTransform((8, 128)), plgpu.TilingTransform((8, 64))
+
+    def kernel(lat_ref, sc_ref, rope_ref, out_ref, lat, sc, rope, tile, bar):
+        plgpu.copy_gmem_to_smem(lat_ref.at[page], lat, bar)
+        plgpu.copy_gmem_to_smem(sc_ref.at[page], sc, bar)
+        plgpu.copy_gmem_to_smem(rope_ref.at[page], rope, bar)
+        plgpu.barrier_wait(bar)
+        for j in range(LATENT_DIM // 128):
+            x = plgpu.load(lat.at[:, pl.ds(128 * j, 128)], layout=plgpu.Layout.WGMMA, optimized=False)
+            s = plgpu.load(sc.at[j], layout=row)
+            x = x.astype(jnp.float32) * jax.lax.broadcast_in_dim(s, (PAGE_SIZE, 128), [0])
+            tile.at[:, pl.ds(128 * j, 128)][...] = x.astype(jnp.bfloat16)
+        tile.at[:, pl.ds(LATENT_DIM, ROPE_DIM)][...] = plgpu.load(rope, layout=plgpu.Layout.WGMMA,
+                                                                  optimized=False)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(tile, out_ref)
+        plgpu.wait_smem_to_gmem(0)
+
+    def entry(*refs):
+        pl.run_scoped(lambda *scratch: kernel(*refs, *scratch),
+                      plgpu.SMEM((PAGE_SIZE, LATENT_DIM), jnp.float8_e4m3fn, transforms=(t8, swz)),
+                      plgpu.SMEM((LATENT_DIM // 128, PAGE_SIZE), jnp.float32),
+                      plgpu.SMEM((PAGE_SIZE, ROPE_DIM), jnp.bfloat16, transforms=(t16, swz)),
+                      plgpu.SMEM((PAGE_SIZE, LATENT_DIM + ROPE_DIM), jnp.bfloat16, transforms=(t16, swz)),
+                      plgpu.Barrier(num_arrivals=3))
+
+    params = plgpu.InterpretGPUParams(uninitialized_memory="nan") if interpret else None
+    out = jax.ShapeDtypeStruct((PAGE_SIZE, LATENT_DIM + ROPE_DIM), jnp.bfloat16)
+    return plgpu.kernel(entry, out_type=out, interpret=params)(*pages)
+
+
+def test_fp8_pages_are_kernel_ready_tma_load_and_dequantize():
+    """The cache's FP8 leaves, at the shapes the engine allocates (64-token pages, 512 + 64), feed a Pallas
+    Mosaic GPU kernel: a probe that TMA-loads one page of each leaf into swizzled shared memory and
+    dequantizes it lowers for Hopper on the CPU (Mosaic GPU's TMA / tiling / swizzle / layout checks run at
+    lowering), and in Pallas' GPU interpreter reproduces `dequantize_kv` of that page exactly (the same
+    fp32 product, one bf16 rounding)."""
+    leaves = layout.cache_layout(V3, 3, kv_cache.PAGE_SIZE, "absorbed", "fp8")[layout.MOE_LAYERS]
+    shapes = [jax.ShapeDtypeStruct(leaves[n].shape[1:], leaves[n].dtype) for n in layout.FP8_LEAVES]
+    assert [s.shape for s in shapes] == [(3, PAGE_SIZE, LATENT_DIM), (3, LATENT_DIM // 128, PAGE_SIZE),
+                                         (3, PAGE_SIZE, ROPE_DIM)]
+    text = jax.jit(lambda p: _probe_page_kernel(p, 2, False)).trace(Fp8Pages(*shapes)).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+    x = _latents(jax.random.key(7), (3, PAGE_SIZE, LATENT_DIM))
+    pages = quantize_kv(x, jax.random.normal(jax.random.key(8), (3, PAGE_SIZE, ROPE_DIM)))
+    got = _probe_page_kernel(pages, 2, True)
+    want = dequantize_kv(pages, ROPE_DIM, jnp.float32)[2].astype(jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+def test_fp8_cache_write_lands_each_token_and_clears_to_zeros():
+    """The step's cache write on an FP8 pool (a scanned stack, layer 1 of 2): each real token's latent,
+    scales (block-major, token by token) and rope land at its page and slot and read back as that token
+    quantized alone; padding goes to scratch page 0; other layers and pages stay zero; cleared pages read
+    as zeros."""
+    cfg, ps = CFG, 4
+    pool = kv_cache.allocate(cfg, 6, ps, dtype="fp8")[layout.MOE_LAYERS]
+    assert pool[layout.FP8_LATENT].shape[0] >= 2
+    lat, rope = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    x = _latents(jax.random.key(11), (2, 3, lat))
+    r = jax.random.normal(jax.random.key(12), (2, 3, rope))
+    meta = kv_cache.PageMeta(jnp.asarray([[1, 2], [3, 4]], jnp.int32), jnp.asarray([3, 1], jnp.int32))
+    start = jnp.asarray([2, 0], jnp.int32)  # row 0: a chunk at positions 2..4 (crosses a page); row 1: decode
+    new = kv_cache.latent_rows(x, r, pool)
+    assert {k: v.shape for k, v in new.items()} == {layout.FP8_LATENT: (2, 3, lat),
+                                                    layout.FP8_SCALE: (2, 3, -(-lat // 128)),
+                                                    layout.FP8_ROPE: (2, 3, rope)}
+    out = kv_cache.write_leaves(pool, new, meta, start, jnp.int32(1))
+    vals = np.asarray(dequantize_kv(Fp8Pages(*(out[n] for n in layout.FP8_LEAVES)), rope))  # [L, P, ps, D]
+    alone = np.asarray(dequantize_kv(quantize_kv(x, r), rope))  # [2, 3, D]: each token quantized alone
+    want = np.zeros_like(vals)
+    for (b, t), (page, slot) in {(0, 0): (1, 2), (0, 1): (1, 3), (0, 2): (2, 0), (1, 0): (3, 0)}.items():
+        want[1, page, slot] = alone[b, t]
+    np.testing.assert_array_equal(vals[:, 1:], want[:, 1:])
+    assert np.asarray(out[layout.FP8_ROPE][1, 0]).any()  # the two padding tokens went to scratch page 0
+    assert not vals[0].any()
+    cleared = kv_cache.clear_pages({layout.MOE_LAYERS: out}, jnp.asarray([1, 3], jnp.int32))
+    cleared = cleared[layout.MOE_LAYERS]
+    back = np.asarray(dequantize_kv(Fp8Pages(*(cleared[n] for n in layout.FP8_LEAVES)), rope))
+    assert not back[:, [1, 3]].any() and np.array_equal(back[1, 2], want[1, 2])

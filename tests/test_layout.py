@@ -94,6 +94,14 @@ def test_declared_axes_give_the_sharding_tables_specs():
         P(None, ("data", "expert"), None, "tensor", None)
     assert sharding.cache_specs(cache)[layout.MTP][layout.V_PAGES] == \
         P(("data", "expert"), None, "tensor", None)
+    # The FP8 cache's three leaves split by pages exactly like PAGES (DP attention's per-shard pools);
+    # the scale leaf's page axis is first too, its token axis last.
+    fp8 = sharding.cache_specs(layout.cache_layout(V3, 16, 64, "absorbed", "fp8", mtp=True))
+    bf16 = sharding.cache_specs(layout.cache_layout(V3, 16, 64, "absorbed", jnp.bfloat16, mtp=True))
+    for stack in (layout.MOE_LAYERS, layout.MTP):
+        assert set(fp8[stack]) == set(layout.FP8_LEAVES)
+        for name in layout.FP8_LEAVES:
+            assert fp8[stack][name] == bf16[stack][layout.PAGES], (stack, name)
 
 
 @pytest.mark.parametrize("form", layout.FORMS)
@@ -115,10 +123,37 @@ def test_cache_layout_is_what_allocate_builds_and_the_model_writes(form, mtp):
     assert _flat(out) == _flat(declared)
 
 
+@pytest.mark.parametrize("mtp", [False, True])
+def test_fp8_cache_layout_is_what_allocate_builds_and_the_model_writes(mtp):
+    """kv_cache_dtype "fp8": three typed leaves per pool (latent e4m3, block-major fp32 scales, bf16 rope);
+    allocate builds them and the model's forward returns the same tree."""
+    cfg = TINY.replace(vocab_size=256)
+    declared = layout.cache_layout(cfg, 6, 4, "absorbed", "fp8", mtp)
+    nb = -(-cfg.kv_lora_rank // 128)
+    assert {k: (v.shape[1:], v.dtype) for k, v in declared[layout.DENSE_LAYERS].items()} == {
+        layout.FP8_LATENT: ((6, 4, cfg.kv_lora_rank), jnp.dtype(jnp.float8_e4m3fn)),
+        layout.FP8_SCALE: ((6, nb, 4), jnp.dtype(jnp.float32)),
+        layout.FP8_ROPE: ((6, 4, cfg.qk_rope_head_dim), jnp.dtype(jnp.bfloat16))}
+    assert declared[layout.DENSE_LAYERS][layout.FP8_SCALE].logical_axes == \
+        ("layers", "cache_pages", "kv_latent", "page_slot")
+    assert (layout.MTP in declared) == mtp
+    cache = kv_cache.allocate(cfg, 6, 4, "absorbed", "fp8", mtp)
+    assert _flat(cache) == _flat(declared)
+    model = Transformer(cfg, jnp.float32, False, "absorbed")
+    params = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32),
+                                               method=model.init_all))["params"]
+    meta = PageMeta(jnp.array([[1, 2]], jnp.int32), jnp.array([3], jnp.int32))
+    _, _, out = jax.eval_shape(lambda p, c: model.apply({"params": p}, jnp.zeros((1, 3), jnp.int32),
+                                                        jnp.arange(3)[None], c, meta), params, cache)
+    assert _flat(out) == _flat(declared)
+
+
 def test_bytes_per_token_from_the_layout():
     assert layout.bytes_per_token(V3, "absorbed", jnp.bfloat16) == 576 * 2 * 61 == 70_272
     assert layout.bytes_per_token(V3, "naive", jnp.bfloat16) == 128 * (192 + 128) * 2 * 61
     assert layout.bytes_per_token(V3, "absorbed", jnp.bfloat16, mtp=True) == 576 * 2 * 62
+    assert layout.bytes_per_token(V3, "absorbed", "fp8") == (512 + 4 * 4 + 64 * 2) * 61 == 40_016
+    assert layout.bytes_per_token(V3, "absorbed", "fp8", mtp=True) == 656 * 62
     assert layout.bytes_per_token(TINY) == TINY.latent_dim * 4 * TINY.num_hidden_layers  # float32 config
     pool = layout.cache_layout(TINY, 10, 8, "naive", jnp.bfloat16)
     assert layout.tree_nbytes(pool) == 10 * 8 * layout.bytes_per_token(TINY, "naive", jnp.bfloat16)
