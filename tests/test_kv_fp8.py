@@ -381,6 +381,9 @@ def test_fp8_pages_are_kernel_ready_tma_load_and_dequantize():
     got = _probe_page_kernel(pages, 2, True)
     want = dequantize_kv(pages, ROPE_DIM, jnp.float32)[2].astype(jnp.bfloat16)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    if jax.default_backend() == "gpu":  # the GPU run: the compiled kernel, real TMA and swizzle
+        got = _probe_page_kernel(pages, 2, False)
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
 def test_fp8_cache_write_lands_each_token_and_clears_to_zeros():
