@@ -117,5 +117,9 @@ def mla_attention(q_latent: jax.Array, q_rope: jax.Array, kv_pages: Any, block_t
 
 @functools.cache
 def _log_mla_shape_fallback(latent: tuple[int, ...], dtype: str) -> None:
+    if dtype == "fp8 pages":  # measured 2026-12-05 (benchmarks/RESULTS.md): the cost is worth saying
+        log.warning("kernel dispatch: the MLA kernel takes no fp8 pages yet: an FP8 KV cache is read by the "
+                    "jnp reference attention (correct, ~6x the bf16 kernel's attention time on an H100)")
+        return
     log.warning("kernel dispatch: MLA kernel needs latent 512 + rope 64, 64-token pages, bf16; got "
                 "latent %s, %s: using the jnp reference", latent, dtype)
