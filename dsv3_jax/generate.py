@@ -48,6 +48,9 @@ def _parser() -> argparse.ArgumentParser:
                                    "checkpoint's. FP8 weights stay FP8")
     p.add_argument("--num-speculative-tokens", "--mtp", dest="mtp", type=int, default=0, metavar="K",
                    help="speculative decoding with K MTP draft tokens per step (0 = off, up to 3)")
+    p.add_argument("--speculative-config", dest="mtp", type=parallel_cli.speculative_config, metavar="JSON",
+                   help="vLLM's form of the same: "
+                        '\'{"method": "deepseek_mtp", "num_speculative_tokens": K}\'')
     p.add_argument("--chat-template", metavar="FILE_OR_TEXT",
                    help="a Jinja chat template (a file, or the template itself) instead of the checkpoint's")
     p.add_argument("--stats", action="store_true", help="print per-request and engine metrics")

@@ -112,3 +112,23 @@ def test_bad_flags_one_line_exit_2(argv, words, capsys):
                                                 ("example.com", False)])
 def test_loopback_hosts(host, loopback):
     assert serve_cli.is_loopback(host) == loopback
+
+
+def test_speculative_config_is_vllms_form_of_the_draft_count(capsys):
+    """--speculative-config '{"method": "deepseek_mtp", "num_speculative_tokens": K}' = K MTP drafts, in
+    serve and generate; another method, an unknown key, a K outside 0..3 or non-JSON: argparse's error
+    line naming the flag, exit 2."""
+    spec = '{"method": "deepseek_mtp", "num_speculative_tokens": 2}'
+    assert _serve(["--speculative-config", spec]).spec_k == 2
+    assert _serve(["--speculative-config", '{"num_speculative_tokens": 1}']).spec_k == 1
+    assert generate._parser().parse_args(["--speculative-config", spec, "--prompt", "x"]).mtp == 2
+    cases = (('{"method": "eagle", "num_speculative_tokens": 1}', "method 'eagle' is not supported"),
+             ('{"method": "mtp", "num_speculative_tokens": 4}', "must be an integer in 0..3"),
+             ('{"num_speculative_tokens": 1, "draft_tensor_parallel_size": 1}', "unsupported key"),
+             ("[1]", "must be a JSON object"), ("k=1", "not JSON"))
+    for bad, words in cases:
+        with pytest.raises(SystemExit) as e:
+            serve_cli._parser().parse_args(["--speculative-config", bad])
+        assert e.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert "argument --speculative-config" in err and words in err, err

@@ -3,7 +3,7 @@
 Owns: the layout flags under vLLM's names with ours as aliases (`--tensor-parallel-size/-tp/--tp`,
 `--data-parallel-size/-dp/--dp`, `--ep`, `--enable-expert-parallel`: shorthands for `--mesh
 tensor=..,data=..,expert=..`), `--max-model-len`, `--gpu-memory-utilization/--memory-fraction`,
-`--device-memory`, `--max-num-seqs/--max-batch`, `--max-num-batched-tokens/--max-batched-tokens`,
+`--device-memory`, `--max-num-seqs/--max-batch`, `--max-num-batched-tokens/--max-batched-tokens`, `--speculative-config`,
 `--kv-cache-dtype` (auto/bf16/fp8: EngineConfig.kv_cache_dtype and the plan's page bytes),
 `--n-activated-experts`, the checkpoint argument both CLIs take (`add_model_args`: positional MODEL_DIR,
 `--model`, `--ckpt`) and the multi-process flags (distributed.add_cli_flags); checking them before
@@ -101,6 +101,38 @@ def load_chat_template(value: str) -> str:
         raise ValueError(f"--chat-template: not a valid Jinja template (line {e.lineno}: {e.message})"
                          ) from None
     return value
+
+
+# The speculative methods `--speculative-config` accepts: DeepSeek's own MTP head (vLLM's names for it).
+MTP_METHODS = ("deepseek_mtp", "mtp")
+MAX_SPEC_TOKENS = 3
+
+
+def speculative_config(value: str) -> int:
+    """`--speculative-config` as vLLM takes it (JSON, e.g. '{"method": "deepseek_mtp",
+    "num_speculative_tokens": 1}'): the MTP draft tokens per step. argparse turns the error into one
+    `PROG: error: argument --speculative-config: ...` line."""
+    import json
+
+    bad = argparse.ArgumentTypeError
+    try:
+        spec = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise bad(f"not JSON ({e.msg} at character {e.pos})") from None
+    if not isinstance(spec, dict):
+        raise bad('must be a JSON object, e.g. \'{"method": "deepseek_mtp", "num_speculative_tokens": 1}\'')
+    unknown = sorted(set(spec) - {"method", "num_speculative_tokens"})
+    if unknown:
+        raise bad(f"unsupported key(s) {unknown}: only method and num_speculative_tokens (drafts come from "
+                  "the checkpoint's own MTP layer)")
+    method = spec.get("method", MTP_METHODS[0])
+    if method not in MTP_METHODS:
+        raise bad(f"method {method!r} is not supported: only {' / '.join(MTP_METHODS)} (the checkpoint's MTP "
+                  "layer drafts)")
+    k = spec.get("num_speculative_tokens")
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_SPEC_TOKENS:
+        raise bad(f"num_speculative_tokens must be an integer in 0..{MAX_SPEC_TOKENS}, got {k!r}")
+    return k
 
 
 def check(args: argparse.Namespace) -> None:

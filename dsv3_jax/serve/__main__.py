@@ -83,6 +83,9 @@ def _parser() -> argparse.ArgumentParser:
                    action="store_true", help="do not reuse cached prompt pages")
     g.add_argument("--num-speculative-tokens", "--spec-k", dest="spec_k", type=int, default=0,
                    help="MTP draft tokens per step (0 = off, up to 3)")
+    g.add_argument("--speculative-config", dest="spec_k", type=parallel_cli.speculative_config,
+                   metavar="JSON", help="vLLM's form of the same: "
+                   '\'{"method": "deepseek_mtp", "num_speculative_tokens": K}\'')
     g.add_argument("--token-buckets", type=_ints,
                    help="extra mixed/prefill step capacities below --max-num-batched-tokens, e.g. 512 (each "
                         "adds two compiled programs)")
