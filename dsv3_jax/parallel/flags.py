@@ -4,7 +4,8 @@ Owns: the layout flags under vLLM's names with ours as aliases (`--tensor-parall
 `--data-parallel-size/-dp/--dp`, `--ep`, `--enable-expert-parallel`: shorthands for `--mesh
 tensor=..,data=..,expert=..`), `--max-model-len`, `--gpu-memory-utilization/--memory-fraction`,
 `--device-memory`, `--max-num-seqs/--max-batch`, `--max-num-batched-tokens/--max-batched-tokens`, the
-`--speculative-config` JSON (vLLM's form of the MTP draft count), `--kv-cache-dtype` (auto/bf16/fp8: EngineConfig.kv_cache_dtype and the plan's page bytes),
+`--speculative-config` JSON (vLLM's form of the MTP draft count), `--kv-cache-dtype` (auto/bf16/fp8:
+EngineConfig.kv_cache_dtype and the plan's page bytes),
 `--n-activated-experts`, the checkpoint argument both CLIs take (`add_model_args`: positional MODEL_DIR,
 `--model`, `--ckpt`) and the multi-process flags (distributed.add_cli_flags); checking them before
 anything loads; the
