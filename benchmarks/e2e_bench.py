@@ -167,9 +167,10 @@ def bf16_rate() -> float:
         return 743e12  # DESIGN.md's measured cuBLAS bf16 figure
 
 
-def step_bytes(cfg: ModelConfig, params, batch: int, ctx: int) -> float:
+def step_bytes(cfg: ModelConfig, params, batch: int, ctx: int, cache_token_bytes: int | None = None) -> float:
     """Bytes one decode step must read: all non-expert weights, the experts a batch activates
-    (expected count under uniform routing), lm_head, and the latent cache."""
+    (expected count under uniform routing), lm_head, and the latent cache (`cache_token_bytes` per token
+    per layer; default bf16 latent ++ rope)."""
     total, expert = 0, 0
     for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
         names = [getattr(p, "key", "") for p in path]
@@ -183,16 +184,20 @@ def step_bytes(cfg: ModelConfig, params, batch: int, ctx: int) -> float:
     e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
     touched = e * (1 - (1 - k / e) ** batch)
     total += expert * touched / e
-    total += batch * ctx * cfg.latent_dim * 2 * cfg.num_hidden_layers
+    per_token = cfg.latent_dim * 2 if cache_token_bytes is None else cache_token_bytes
+    total += batch * ctx * per_token * cfg.num_hidden_layers
     return total
 
 
-def decode_case(model, params, cfg, batch, ctx, reps, backend):
+def decode_case(model, params, cfg, batch, ctx, reps, backend, cache_dtype=jnp.bfloat16):
+    """The bare decode step: [B, 1] tokens at position ctx over a paged cache of random values in
+    `cache_dtype` (a dtype, or layout.FP8 for the FP8 latent cache), argmax."""
     ps = kv_cache.PAGE_SIZE
     table = kv_cache.contiguous_table(batch, ctx + 1, ps)
-    cache = kv_cache.allocate(cfg, 1 + table.size, ps, "absorbed", jnp.bfloat16)
-    cache = jax.tree_util.tree_map(lambda c: jax.random.normal(jax.random.key(1), c.shape, c.dtype) * 0.5,
-                                   cache)
+    cache = kv_cache.allocate(cfg, 1 + table.size, ps, "absorbed", cache_dtype)
+    # Drawn in fp32 and cast, so the FP8 leaves (e4m3 latent, fp32 scales) get values too.
+    cache = jax.tree_util.tree_map(
+        lambda c: (jax.random.normal(jax.random.key(1), c.shape, jnp.float32) * 0.5).astype(c.dtype), cache)
     meta = PageMeta(jnp.asarray(table), jnp.ones((batch,), jnp.int32))
     toks = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, 1)), jnp.int32)
     pos = jnp.full((batch, 1), ctx, jnp.int32)

@@ -8,6 +8,11 @@ imported). Measures, in one run:
     new) for B in (64, 256), all at once and with Poisson arrivals. Per load: output tok/s (whole run,
     and over the decode-only steps), ITL p50/p99, median TTFT, mean rows and tokens per step, and the
     ratio of decode-only throughput to batch / bare step time;
+  * `--kv-cache-dtype fp8` (issue 28 item 4): the same loads with the FP8 latent cache (EngineConfig.
+    kv_cache_dtype); run it beside a bf16 run (`--kv-cache-dtype bf16`) for the table, e.g. `--prompt 4096
+    --batches 64,256`. The task "largest batch at --fit-context" sizes the pool with `dsv3_jax.plan.pool_plan`
+    for one device at that context (the slice's weights, this dtype) and runs that many requests at once
+    (prompt = context - new), so the bf16 and fp8 runs show the concurrency each cache buys;
   * optionally (--xla-variants) the bare batch-1 step under other XLA command-buffer flags, each in a
     subprocess (the flags are read when the backend starts).
 Compile time is reported apart: the engine's `warmup()` runs before the first load (seconds per compiled
@@ -36,7 +41,7 @@ import e2e_bench  # noqa: E402
 
 from dsv3_jax.api import ModelHandle  # noqa: E402
 from dsv3_jax.engine.core import Engine, EngineConfig  # noqa: E402
-from dsv3_jax.model import kv_cache  # noqa: E402
+from dsv3_jax.model import kv_cache, layout  # noqa: E402
 from dsv3_jax.model.kv_cache import PageMeta  # noqa: E402
 from dsv3_jax.model.trace_options import TraceOptions  # noqa: E402
 
@@ -153,6 +158,8 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=330.0, help="skip remaining loads after this")
     ap.add_argument("--no-xla-variants", action="store_true", help="skip the command-buffer variants")
     ap.add_argument("--tasks", default="", help="comma-separated task names to run (default: all, by priority)")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "bf16", "fp8"))
+    ap.add_argument("--fit-context", type=int, default=32768, help="context of the largest-batch task")
     ap.add_argument("--out", type=Path, default=Path("engine_bench.json"))
     args = ap.parse_args()
     t_start = time.perf_counter()
@@ -172,12 +179,14 @@ def main() -> None:
         return args.budget_s - (time.perf_counter() - t_start)
 
     res["copy_bw_gbs"] = e2e_bench.copy_bandwidth() / 1e9
+    cache_dtype = layout.kv_cache_dtype(cfg, args.kv_cache_dtype)
+    token_bytes = layout.bytes_per_token(cfg, "absorbed", cache_dtype) // cfg.num_hidden_layers  # per layer
     res["bare"], res["loads"], res["xla_variants"] = [], [], []
     bare: dict[int, float] = {}
 
     def bare_case(b: int) -> None:
-        r = e2e_bench.decode_case(model, params, cfg, b, args.prompt, args.reps, backend)
-        floor = 1e3 * e2e_bench.step_bytes(cfg, params, b, args.prompt) / (res["copy_bw_gbs"] * 1e9)
+        r = e2e_bench.decode_case(model, params, cfg, b, args.prompt, args.reps, backend, cache_dtype)
+        floor = 1e3 * e2e_bench.step_bytes(cfg, params, b, args.prompt, token_bytes) / (res["copy_bw_gbs"] * 1e9)
         res["bare"].append({"batch": b, **r, "floor_ms": floor, "ratio_to_floor": r["median_ms"] / floor})
         bare[b] = r["median_ms"]
 
@@ -188,7 +197,8 @@ def main() -> None:
     pages = max_req * -(-(args.prompt + args.new) // kv_cache.PAGE_SIZE) + 1
     # The engine's default step shapes (decode 4, 32, max_batch rows; the token budget): all warmed first.
     ecfg = EngineConfig(num_pages=pages, max_batch=max_req, max_batched_tokens=args.max_batched_tokens,
-                        chunk_size=args.chunk, prefix_caching=False)
+                        chunk_size=args.chunk, prefix_caching=False, kv_cache_dtype=args.kv_cache_dtype)
+    res["kv_cache_dtype"] = args.kv_cache_dtype
     res["engine_config"] = {k: (list(v) if isinstance(v, tuple) else v) for k, v in ecfg.__dict__.items()}
     eng = Engine(handle, ecfg)
 
@@ -254,6 +264,28 @@ def main() -> None:
         out["speedup"] = out["k1"]["decode_tok_s"] / out["k0"]["decode_tok_s"]
         res["mtp"] = out
 
+    def largest_fit() -> None:
+        """As many requests at --fit-context as one device's pool holds (pool_plan, this cache dtype): the bare
+        decode step at that batch over a cache of that many full contexts (random values), beside its floor."""
+        from dsv3_jax import plan as planning
+
+        dev = jax.devices()[0]
+        mem = (dev.memory_stats() or {}).get("bytes_limit") if hasattr(dev, "memory_stats") else None
+        ctx = 256 if args.tiny else args.fit_context
+        pp = planning.pool_plan(cfg, "tensor=1", dtype="fp8", max_model_len=ctx, device_memory=mem or 24 * 2**30,
+                                cache_dtype=args.kv_cache_dtype, max_batched_tokens=args.max_batched_tokens,
+                                max_batch=256, params_or_shapes=params, attention_kernel=not args.tiny)
+        n = max(1, min(pp.max_requests, 4 if args.tiny else 1024))
+        row = {"context": ctx, "requests": n, "planned_requests": pp.max_requests,
+               "pool_tokens": pp.kv_tokens_per_shard, "device_memory": mem}
+        try:
+            r = e2e_bench.decode_case(model, params, cfg, n, ctx - 1, args.reps, backend, cache_dtype)
+            floor = 1e3 * e2e_bench.step_bytes(cfg, params, n, ctx, token_bytes) / (res["copy_bw_gbs"] * 1e9)
+            row |= {**r, "tok_s": n / (r["median_ms"] / 1e3), "floor_ms": floor, "ratio_to_floor": r["median_ms"] / floor}
+        except Exception as ex:  # noqa: BLE001 - record and keep measuring
+            row["error"] = repr(ex)[:400]
+        res["largest_fit"] = row
+
     # In priority order; each runs only if the time budget still allows it (the rest is listed skipped).
     tasks = [("bare b=1", 20, lambda: bare_case(1)), ("bare b=64", 30, lambda: bare_case(64)),
              ("1 request", 30, lambda: load(1, None)), ("64 at once", 40, lambda: load(64, None)),
@@ -261,6 +293,7 @@ def main() -> None:
              (f"bare b={max_req}", 30, lambda: bare_case(max_req)),
              (f"{max_req} at once", 60, lambda: load(max_req, None)),
              ("64 poisson", 40, lambda: load(64, 16.0)),
+             ("largest batch at --fit-context", 90, largest_fit),
              (f"{max_req} poisson", 60, lambda: load(max_req, max_req / 4.0))]
     done: set[str] = set()
     for name, need, fn in tasks:
@@ -308,6 +341,12 @@ def main() -> None:
         print(f"MTP b=1 ({m['model']}): {m['k1']['decode_tok_s']:.0f} vs {m['k0']['decode_tok_s']:.0f} tok/s "
               f"(x{m['speedup']:.2f}), acceptance {m['k1']['acceptance']}, tokens/step {m['k1']['tokens_per_step']:.2f}, "
               f"same tokens {m['same_tokens']}")
+    if "largest_fit" in res:
+        f = res["largest_fit"]
+        print(f"largest batch at {f['context']} tokens, {args.kv_cache_dtype} cache: pool {f['pool_tokens']:,} tokens, "
+              f"{f['requests']} requests (planned {f['planned_requests']}): "
+              + (f"error {f['error'][:80]}" if "error" in f else
+                 f"bare step {f['median_ms']:.2f} ms ({f['min_ms']:.2f}-{f['max_ms']:.2f}), {f['tok_s']:.0f} tok/s"))
     if "warmup" in res:
         w = res["warmup"]
         print(f"engine warmup: {w['compiles']} programs in {w['s']:.1f} s (cold): "
