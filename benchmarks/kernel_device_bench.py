@@ -111,10 +111,11 @@ MERGE_CASES = ((128, 1, 4096), (128, 8, 4096), (16, 1, 32768), (16, 8, 32768))
 
 
 def merges(results: list, cases=MERGE_CASES, splits=(None,)) -> None:
-    """The split-KV merge alone, `merge_splits` against the kernel lab's candidate `merge_splits_two_pass`,
+    """The split-KV merge alone, the kernel lab's earlier `merge_splits_one_reduce` against the product's
+    two-pass `merge_splits`,
     on partials shaped as the kernel writes them for decode at (H, B, S) (splits from `choose_num_splits`,
     or each of `splits`)."""
-    from pallas_kernels.experimental.mla_variants import merge_splits_two_pass
+    from pallas_kernels.experimental.mla_variants import merge_splits_one_reduce
     from pallas_kernels.mla_decode import BLOCK_ROWS, choose_num_splits, merge_splits
 
     for (h, b, s), want in ((c, n) for c in cases for n in splits):
@@ -124,7 +125,7 @@ def merges(results: list, cases=MERGE_CASES, splits=(None,)) -> None:
         out_p = jax.random.normal(k1, (b, ns, tiles * BLOCK_ROWS, 512), jnp.bfloat16)
         lse_p = 3 * jax.random.normal(k2, (b, ns, tiles * BLOCK_ROWS), jnp.float32)
         ref = None
-        for name, fn in (("merge_splits", merge_splits), ("merge_splits_two_pass", merge_splits_two_pass)):
+        for name, fn in (("merge_splits_one_reduce", merge_splits_one_reduce), ("merge_splits", merge_splits)):
             f = jax.jit(lambda o, x, fn=fn, h=h: fn(o, x, 1, h))
             out, _ = f(out_p, lse_p)
             err = None if ref is None else round(_rel_err(out, ref), 6)

@@ -33,9 +33,8 @@ Kernel design ("v2", split QK; Hopper, one CTA = three warpgroups):
   it 232,512: the row reductions stay inside a warp, so the kernel asks for 1 KiB
   (`REDUCTION_SCRATCH_BYTES`; the CPU lowering test holds the budget).
 - Split-KV: the grid is (batch, row tile, split); split s takes an equal share of the tile's pages.
-  Partial outputs and their log-sum-exp are merged by `merge_splits`, one XLA reduction (a variadic
-  reduce whose reducer is the log-sum-exp merge of two partials) instead of a chain of small ops, so at
-  batch 1-8 the kernel is flanked by one small op on each side (plus XLA's final bf16 cast).
+  Partial outputs and their log-sum-exp are merged by `merge_splits` (plain max and add reductions over
+  the splits: ~4x faster by GPU time than the single variadic reduce it replaced).
 - Causality and raggedness are a per-row limit: row (j, h) attends to positions
   < min(q_start + 1 + j, kv_len); each tile only visits pages below its last row's limit.
 
@@ -49,8 +48,8 @@ Interpret mode (CPU tests): the GPU interpreter cannot take a wgmma A operand fr
 `pl.run_state` accumulators, so under `interpret=True` the P tile is staged through shared memory and
 the P V product is added to the carried accumulator as a value. Everything else is the same code.
 
-Earlier and alternative designs (v1, v3, v8, v9) and the two-pass split merge are the kernel lab in
-`pallas_kernels/experimental/mla_variants.py`: not used by the model.
+Earlier and alternative designs (v1, v3, v8, v9) and the earlier one-reduce split merge are the kernel lab
+in `pallas_kernels/experimental/mla_variants.py`: not used by the model.
 """
 
 import functools
@@ -261,21 +260,6 @@ def query_tiles(q_latent: jax.Array, q_rope: jax.Array) -> jax.Array:
     return jnp.where(col < LATENT_DIM, lat, rope)
 
 
-Partial = tuple[jax.Array, jax.Array]  # (lse, out) of one split, out normalized by its own sum
-
-
-def _merge_pair(a: Partial, b: Partial) -> Partial:
-    """Log-sum-exp merge of two normalized partials (lse, out); (-inf, 0) is the identity and two empty
-    partials give (-inf, 0), not NaN. Associative, so XLA may reduce the splits in any order."""
-    (xa, oa), (xb, ob) = a, b
-    m = jnp.maximum(xa, xb)
-    m = jnp.where(m == -jnp.inf, 0.0, m)
-    wa, wb = jnp.exp(xa - m), jnp.exp(xb - m)
-    total = wa + wb
-    safe = jnp.where(total > 0, total, 1.0)
-    return jnp.where(total > 0, m + jnp.log(safe), -jnp.inf), (oa * wa + ob * wb) / safe
-
-
 def split_partials(out_parts: jax.Array, lse_parts: jax.Array, num_queries: int, num_heads: int,
                    valid_queries: jax.Array | None) -> tuple[jax.Array, jax.Array]:
     """What a split merge starts from: the real rows of the partials as out [B, S, Q, H, 512] and
@@ -291,24 +275,36 @@ def split_partials(out_parts: jax.Array, lse_parts: jax.Array, num_queries: int,
     return out, lse
 
 
+def merge_partials(out: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Log-sum-exp merge over axis 1 of normalized partials out [N, S, ..., 512] / lse [N, S, ...] (empty
+    partials: lse -inf) -> out [N, ..., 512] float32, lse [N, ...] float32. Two plain passes: m = max lse,
+    w = exp(lse - m), out = sum(w out) / sum(w), lse = m + log(sum w); rows empty in every split give
+    (out 0, lse -inf), not NaN."""
+    m = jnp.max(lse, axis=1)
+    m = jnp.where(m == -jnp.inf, 0.0, m)
+    w = jnp.exp(lse - jnp.expand_dims(m, 1))  # 0 for an empty split
+    total = jnp.sum(w, axis=1)
+    merged = jnp.sum(w[..., None] * out.astype(jnp.float32), axis=1)
+    safe = jnp.where(total > 0, total, 1.0)
+    return merged / safe[..., None], jnp.where(total > 0, m + jnp.log(safe), -jnp.inf)
+
+
 def merge_splits(out_parts: jax.Array, lse_parts: jax.Array, num_queries: int, num_heads: int,
                  valid_queries: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Kernel partials out [B, S, R_pad, 512] / lse [B, S, R_pad] -> out [B, Q, H, 512] (partials' dtype)
-    and lse [B, Q, H] float32: drops the padding rows, merges the S splits in fp32 and, when
-    `valid_queries` [B] is given, zeroes (lse -inf) queries j >= valid_queries[b] (a chunk's padding).
+    and lse [B, Q, H] float32: drops the padding rows, merges the S splits in fp32 (`merge_partials`) and,
+    when `valid_queries` [B] is given, zeroes (lse -inf) queries j >= valid_queries[b] (a chunk's padding).
 
-    One XLA reduction: a variadic reduce over S of (lse broadcast over the 512 columns, out) whose
-    reducer is `_merge_pair`; slicing, masking and the fp32 cast fuse into it as its inputs. One launch,
-    but measured by GPU time on the H200 it is slow: 27 us at B=1, H=128 with 32 splits, 2.7x the kernel
-    (benchmarks/RESULTS.md, round four); a two-pass candidate is in `pallas_kernels/experimental`."""
+    Plain max and add reductions over S. The earlier single variadic reduce (reducer = the pairwise
+    log-sum-exp merge; now `experimental.mla_variants.merge_splits_one_reduce`) was one launch but slow by
+    GPU time on the H200: 27-29 us at B=1, H=128, 32 splits (2.7x the kernel) against 7.3 us for this
+    form, with equal results (benchmarks/RESULTS.md, round four; `tests/test_mla_kernels.py` holds it to a
+    numpy merge and to the old form)."""
     out, lse = split_partials(out_parts, lse_parts, num_queries, num_heads, valid_queries)
-    ns = out.shape[1]
-    if ns == 1:
+    if out.shape[1] == 1:
         return out[:, 0], lse[:, 0]
-    out = out.astype(jnp.float32)
-    lse_b = jnp.broadcast_to(lse[..., None], out.shape)
-    lse_m, out_m = lax.reduce((lse_b, out), (jnp.float32(-jnp.inf), jnp.float32(0.0)), _merge_pair, (1,))
-    return out_m.astype(out_parts.dtype), lse_m[..., 0]
+    out_m, lse_m = merge_partials(out, lse)
+    return out_m.astype(out_parts.dtype), lse_m
 
 
 def paged_mla_partials(

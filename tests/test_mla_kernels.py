@@ -317,8 +317,8 @@ def test_decode_interpret_none_runs_on_cpu():
 
 
 def test_merge_splits_is_the_log_sum_exp_merge():
-    """The one-reduce split merge against a numpy merge, with empty splits, fully empty rows and padding
-    queries (valid_queries)."""
+    """The split merge against a numpy merge, with empty splits, fully empty rows and padding queries
+    (valid_queries)."""
     rng = np.random.default_rng(4)
     b, s, nq, nh = 2, 5, 3, 8
     out_p = rng.standard_normal((b, s, 64, 512)).astype(np.float32)
@@ -417,14 +417,15 @@ def _entry_ops(fn, *shapes) -> list[str]:
 
 
 def test_glue_around_the_kernel_is_small():
-    """Item 1's launch budget at batch 1-8: the q tile is one op and the split merge one reduction (XLA
-    adds the bf16 cast and the lse slice; before, the merge was 9 ops including a dot)."""
+    """Item 1's launch budget at batch 1-8: the q tile is one op; the split merge is plain reductions and
+    no dot (8 fusions on CPU; by GPU time this two-pass form is ~4x faster than the earlier single variadic
+    reduce, so launches alone are not the measure: `mla_decode.merge_splits`)."""
     sds = jax.ShapeDtypeStruct
     prep = _entry_ops(query_tiles, sds((8, 1, 16, 512), jnp.bfloat16), sds((8, 1, 16, 64), jnp.bfloat16))
     assert len(prep) == 1, prep
     merge = _entry_ops(lambda o, lse, c: merge_splits(o, lse, 1, 16, c), sds((8, 16, 64, 512), jnp.bfloat16),
                        sds((8, 16, 64), jnp.float32), sds((8,), jnp.int32))
-    assert "dot" not in merge and len(merge) <= 4, merge  # reduce + cast + lse slice (+ a layout copy)
+    assert "dot" not in merge and len(merge) <= 8, merge
 
 
 def decode_lowers_for_hopper(heads, decode=mla_decode):

@@ -95,9 +95,10 @@ def test_unknown_variant_raises():
                        variant="v99")
 
 
-def test_two_pass_merge_equals_the_one_reduce_merge():
-    """The candidate `merge_splits_two_pass` against the product's `merge_splits`: empty splits, fully
-    empty rows, padding queries, and a padding query whose partials hold garbage (masked by lse alone)."""
+def test_one_reduce_merge_equals_the_two_pass_merge():
+    """The lab's earlier `merge_splits_one_reduce` against the product's two-pass `merge_splits`: empty
+    splits, fully empty rows, padding queries, and a padding query whose partials hold garbage (masked by
+    lse alone)."""
     rng = np.random.default_rng(5)
     b, s, nq, nh = 2, 6, 3, 8
     out_p = rng.standard_normal((b, s, 64, 512)).astype(np.float32)
@@ -108,8 +109,8 @@ def test_two_pass_merge_equals_the_one_reduce_merge():
     out_p[1, :, 2 * nh:3 * nh] = np.nan  # padding query 2 of sequence 1: whatever the kernel left there
     valid = jnp.asarray([3, 2], jnp.int32)
     args = (jnp.asarray(out_p), jnp.asarray(lse_p), nq, nh, valid)
-    out1, lse1 = merge_splits(*args)
-    out2, lse2 = lab.merge_splits_two_pass(*args)
+    out1, lse1 = lab.merge_splits_one_reduce(*args)
+    out2, lse2 = merge_splits(*args)
     np.testing.assert_allclose(np.asarray(lse2), np.asarray(lse1), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(out2), np.asarray(out1), rtol=1e-4, atol=1e-5)
     assert np.all(np.asarray(out2)[1, 2:] == 0) and np.all(np.asarray(lse2)[1, 0] == -np.inf)

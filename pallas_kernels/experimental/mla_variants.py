@@ -48,8 +48,8 @@ the lab has no default).
   profile (51.8% tensor-pipe use, the most barrier stalls of all variants); interpret-mode and Hopper
   lowering tests pass; not yet timed on a GPU.
 
-`merge_splits_two_pass` is the candidate replacement for the product's split merge (`merge_splits`): see
-its docstring; `kernel_device_bench.py --only merge` times both.
+`merge_splits_one_reduce` is the product's earlier split merge (one variadic reduce), replaced by the
+two-pass `mla_decode.merge_splits`; kept to time against it (`kernel_device_bench.py --only merge`).
 """
 
 import functools
@@ -375,26 +375,32 @@ def _kernel(
     pl.when(wg == 1)(functools.partial(consumer, 1))
 
 
-def merge_splits_two_pass(out_parts: jax.Array, lse_parts: jax.Array, num_queries: int, num_heads: int,
-                          valid_queries: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-    """`merge_splits` by plain max and add reductions over S instead of one variadic reduce: m = max lse,
-    w = exp(lse - m), out = sum(w out) / sum(w), lse = m + log(sum w). Same contract and results (a test
-    holds the two equal). A candidate, not yet used: measured by GPU time on the H200, `merge_splits` takes
-    27 us at B = 1, H = 128 with 32 splits (2.7x the kernel) and 14 us at B = 8; this form is more ops
-    (8 fusions on CPU) but each is XLA's common reduction. `kernel_device_bench.py --only merge` times
-    both."""
+def _merge_pair(a: tuple[jax.Array, jax.Array], b: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    """Log-sum-exp merge of two normalized partials (lse, out); (-inf, 0) is the identity and two empty
+    partials give (-inf, 0), not NaN. Associative, so XLA may reduce the splits in any order."""
+    (xa, oa), (xb, ob) = a, b
+    m = jnp.maximum(xa, xb)
+    m = jnp.where(m == -jnp.inf, 0.0, m)
+    wa, wb = jnp.exp(xa - m), jnp.exp(xb - m)
+    total = wa + wb
+    safe = jnp.where(total > 0, total, 1.0)
+    return jnp.where(total > 0, m + jnp.log(safe), -jnp.inf), (oa * wa + ob * wb) / safe
+
+
+def merge_splits_one_reduce(out_parts: jax.Array, lse_parts: jax.Array, num_queries: int, num_heads: int,
+                            valid_queries: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """The product's split merge until 2026-12-05: `merge_splits`' contract as one XLA variadic reduce
+    over S of (lse broadcast over the 512 columns, out) whose reducer is `_merge_pair`. One launch, but
+    measured by GPU time on the H200: 27-29 us at B=1, H=128 with 32 splits (2.7x the kernel), 14 us at
+    B=8, against 7.3 us for the two-pass form the product now runs (`mla_decode.merge_splits`). Kept to
+    time against it (`benchmarks/split_bench.py`, `kernel_device_bench.py --only merge`)."""
     out, lse = split_partials(out_parts, lse_parts, num_queries, num_heads, valid_queries)
     if out.shape[1] == 1:
         return out[:, 0], lse[:, 0]
-    m = jnp.max(lse, axis=1)
-    m = jnp.where(m == -jnp.inf, 0.0, m)
-    w = jnp.exp(lse - m[:, None])  # [B, S, Q, H]; 0 for an empty split
-    total = jnp.sum(w, axis=1)
-    merged = jnp.sum(w[..., None] * out.astype(jnp.float32), axis=1)
-    safe = jnp.where(total > 0, total, 1.0)
-    out_m = merged / safe[..., None]
-    lse_m = jnp.where(total > 0, m + jnp.log(safe), -jnp.inf)
-    return out_m.astype(out_parts.dtype), lse_m
+    out = out.astype(jnp.float32)
+    lse_b = jnp.broadcast_to(lse[..., None], out.shape)
+    lse_m, out_m = lax.reduce((lse_b, out), (jnp.float32(-jnp.inf), jnp.float32(0.0)), _merge_pair, (1,))
+    return out_m.astype(out_parts.dtype), lse_m[..., 0]
 
 
 def paged_mla_partials(
