@@ -63,6 +63,35 @@ def test_default_special_tokens(v31):
     assert v31.encode("hi")[0] == v31.bos_id and v31.encode("hi", add_bos=False)[0] != v31.bos_id
 
 
+def test_length_bound_refuses_without_tokenizing(v31):
+    """`max_token_chars` is a true bound (no text of n characters is fewer than n / bound tokens, the worst
+    cases included: runs of the longest tokens, special tokens), and a 5 MB text past `max_tokens` is
+    refused from its length alone, in microseconds instead of seconds of tokenizing."""
+    import time
+
+    from dsv3_jax.text.tokenizer import TooManyTokens
+
+    per = v31.max_token_chars
+    assert per == 128
+    worst = ["." * 128 * 50, " " * 128 * 50, "<｜User｜>" * 200, "x" + "." * 1000, *TEXTS]
+    for t in worst:
+        assert len(v31.encode(t, add_bos=False)) >= -(-len(t) // per), t[:20]
+    text = ("All work and no play makes Jack a dull boy. " * 113_637)[:5_000_000]
+    t0 = time.perf_counter()
+    with pytest.raises(TooManyTokens) as e:
+        v31.encode_batch(["short", text], max_tokens=1024)
+    assert time.perf_counter() - t0 < 0.05
+    assert e.value.index == 1 and not e.value.exact and e.value.tokens == 5_000_000 // 128 + 1 + 1
+    # Under the length bound the count is exact (tokenized, no id list built).
+    with pytest.raises(TooManyTokens) as e:
+        v31.encode_batch(["word " * 600], max_tokens=64)
+    assert e.value.exact and e.value.tokens == len(v31.encode("word " * 600))
+    # A tokenizer that may drop characters (a whitespace pre-tokenizer) gets no length bound.
+    spec = json.loads(v31._json)
+    spec["pre_tokenizer"] = {"type": "Whitespace"}
+    assert Tokenizer(json.dumps(spec), v31._config_json).max_token_chars is None
+
+
 def test_save_to_from_dir_roundtrip(v31, v31_dir):
     again = Tokenizer.from_dir(v31_dir)
     assert json.loads((v31_dir / "tokenizer_config.json").read_text()) == v31.config

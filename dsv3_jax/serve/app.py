@@ -173,9 +173,11 @@ class Service:
         return await loop.run_in_executor(self._pool, lambda: fn(*args, **kwargs))
 
     def warm_host(self) -> None:
-        """Render and encode one chat before the port opens (the template compiles on first use)."""
+        """Render and encode one chat before the port opens (the template compiles on first use; the
+        tokenizer's length bound is computed once)."""
         try:
             self.tokenizer.encode("warm up")
+            self.tokenizer.max_token_chars  # noqa: B018  (cached: a long prompt is refused from its length)
             if self.tokenizer.chat_template:
                 encode_chat(self.tokenizer, [{"role": "user", "content": "hi"}], add_generation_prompt=True)
         except (ValueError, TypeError, jinja2.TemplateError) as e:
@@ -235,7 +237,8 @@ class Service:
 
     def _too_long(self, e: TooManyTokens, param: str) -> P.RequestError:
         """A prompt refused while encoding (its id list never built): `_refusal`'s words."""
-        return P.RequestError(f"the prompt has {e.tokens} tokens; the server fits at most {e.bound}: this "
+        has = f"{e.tokens} tokens" if e.exact else f"at least {e.tokens} tokens (by its length)"
+        return P.RequestError(f"the prompt has {has}; the server fits at most {e.bound}: this "
                               f"model's maximum context length is {self.limits.capacity} tokens "
                               f"({self._cap_reason()})", param)
 

@@ -8,6 +8,7 @@ Does not own chat templates (`chat.py`) or anything on device.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -55,11 +56,16 @@ def _default_files() -> tuple[bytes, bytes]:
 
 
 class TooManyTokens(ValueError):
-    """A text encodes to more than the caller's bound (`index`: which text of the batch)."""
+    """A text encodes to more than the caller's bound (`index`: which text of the batch); `exact` False:
+    `tokens` is a lower bound from the text's length (`Tokenizer.max_token_chars`), never tokenized."""
 
-    def __init__(self, index: int, tokens: int, bound: int):
-        super().__init__(f"{tokens} tokens, more than the {bound} allowed")
-        self.index, self.tokens, self.bound = index, tokens, bound
+    def __init__(self, index: int, tokens: int, bound: int, exact: bool = True):
+        super().__init__(f"{'' if exact else 'at least '}{tokens} tokens, more than the {bound} allowed")
+        self.index, self.tokens, self.bound, self.exact = index, tokens, bound, exact
+
+
+# Pre-tokenizer parts that keep every character of the text (a Split may also remove what it matches).
+_KEEPING_SPLITS = ("Isolated", "MergedWithPrevious", "MergedWithNext", "Contiguous")
 
 
 class Tokenizer:
@@ -149,6 +155,26 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self.backend.id_to_token(token_id)
 
+    @functools.cached_property
+    def max_token_chars(self) -> int | None:
+        """The most characters of text one token stands for, where the tokenizer provably keeps every
+        character (no normalizer; a byte-level pre-tokenizer whose splits remove nothing): a text of n
+        characters is then at least ceil(n / max_token_chars) tokens, known without tokenizing it. None
+        for any other tokenizer. A byte-level token of c symbols is c bytes, so at most c characters; an
+        added token is its content. DeepSeek-V3.1: 128 (a run of 128 dots or spaces)."""
+        spec = json.loads(self._json)
+        norm, pre = spec.get("normalizer"), spec.get("pre_tokenizer") or {}
+        if norm is not None and not (norm.get("type") == "Sequence" and not norm.get("normalizers")):
+            return None
+        parts = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+        kinds = [(p.get("type"), p.get("behavior")) for p in parts]
+        if not all(t == "ByteLevel" or (t == "Split" and b in _KEEPING_SPLITS) for t, b in kinds) \
+                or not any(t == "ByteLevel" for t, _ in kinds):
+            return None
+        vocab = self.backend.get_vocab(with_added_tokens=True)
+        added = self.backend.get_added_tokens_decoder().values()
+        return max(max(map(len, vocab), default=1), max((len(a.content) for a in added), default=1))
+
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
         """Token ids of `text`; `add_bos=None` follows the config's `add_bos_token`."""
         if not isinstance(text, str):
@@ -167,12 +193,20 @@ class Tokenizer:
 
         With `max_tokens`, a text longer than that (BOS counted) raises TooManyTokens before its id list
         is built: building the Python list of a 5 MB prompt's 1.2M ids holds the GIL for ~0.3 s, which a
-        server would spend on a prompt it refuses anyway."""
+        server would spend on a prompt it refuses anyway. A text whose length alone proves it too long
+        (`max_token_chars`) is refused without tokenizing it (`exact` False): tokenizing 5 MB is ~3.5 s of
+        CPU that, on a box of few cores, a server's engine step would share."""
         if not all(isinstance(t, str) for t in texts):
             raise ValueError("encode_batch: every text must be a str")
         bos = self.add_bos_default if add_bos is None else add_bos
         if bos and self.bos_id is None:
             raise ValueError("encode: add_bos=True but the tokenizer has no bos_token")
+        per = self.max_token_chars if max_tokens is not None else None
+        if per:
+            for i, t in enumerate(texts):
+                least = -(-len(t) // per) + bos
+                if least > max_tokens:
+                    raise TooManyTokens(i, least, max_tokens, exact=False)
         encodings = self.backend.encode_batch(texts, add_special_tokens=False)
         if max_tokens is not None:
             for i, e in enumerate(encodings):
