@@ -53,8 +53,9 @@ def random_params(cfg: ModelConfig, seed: int = 0, fp8: bool = True):
     O(1) through the slice and the logits are meaningful to compare between kernel paths.
     """
     model = Transformer(cfg, jnp.bfloat16, fp8=fp8)
-    shapes = jax.eval_shape(lambda k: model.init(k, jnp.zeros((1, 1), jnp.int32))["params"],
-                            jax.random.key(0))
+    # init_all: the MTP layer's weights too when cfg has one (num_nextn_predict_layers)
+    shapes = jax.eval_shape(
+        lambda k: model.init(k, jnp.zeros((1, 1), jnp.int32), method=model.init_all)["params"], jax.random.key(0))
     leaves, tree = jax.tree_util.tree_flatten_with_path(shapes)
     out = []
     for i, (path, s) in enumerate(leaves):

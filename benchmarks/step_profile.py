@@ -1,8 +1,8 @@
 """Where one batch-1 decode step's time goes, and what each extra layer costs (issue 32, item 1; GPU).
 
 For the full-width DeepSeek-V3 slice with FP8 weights (e2e_bench's builders) at 1 dense + n MoE layers,
-n in --moe-layers (default 1,2,4: 1+8 needs ~100 GB of weights, pass it on an H200 only), one decode
-step of batch --batch at context --ctx through the Pallas kernels, measured three ways in one run:
+n in --moe-layers (default 1,2,4), one decode step of batch --batch at context --ctx through the Pallas
+kernels, measured three ways in one run:
   * wall: the host clock around back-to-back jitted calls (what a serving step costs);
   * device: the GPU time of every kernel of the step, from a jax.profiler trace (benchmarks/device_time);
     wall - device is the time the GPU sits idle between kernels (launch gaps, host work);
@@ -10,6 +10,14 @@ step of batch --batch at context --ctx through the Pallas kernels, measured thre
 Then the per-layer slope of each (least squares over n): the slope beyond the floor is what 61 layers
 multiply. The largest slice's kernels are listed by time per step (name, launches, ms) and grouped into
 kinds (MLA, grouped GEMM, dense FP8 GEMM, quantize, XLA fusions, copies, other).
+Memory: the FP8 slice holds 4.3 GB + 11.5 GB per MoE layer (256 experts), so 1+8 (96 GB) fits no 80 GB
+H100. `--experts E` keeps E routed experts per MoE layer (5.9 GB a layer at 128): a batch-1 step reads the
+same bytes (its 8 chosen experts and the shared one) whatever E is, so the slope is comparable; the run
+refuses a slice whose weights exceed the device's memory before building any, naming the E that fits.
+`--xla-variants`: the first slice's step again under each of engine_bench's XLA command-buffer variants
+(default, off, all types with min graph size 1, + unrolled loops), compiled per variant in this process
+(the options are per compile), each with wall, device time and the gap between them: whether command
+buffers remove the launch gaps.
 Prints a table last and writes JSON (--out). --tiny runs the same code on CPU at toy size (no profile:
 the trace has no GPU plane there, so device time is reported as absent).
 """
@@ -20,6 +28,7 @@ import argparse
 import gc
 import json
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -34,6 +43,7 @@ from device_time import jax_device_time  # noqa: E402
 from dsv3_jax.model import kv_cache  # noqa: E402
 from dsv3_jax.model.kv_cache import PageMeta  # noqa: E402
 from dsv3_jax.model.trace_options import TraceOptions  # noqa: E402
+from dsv3_jax.model.transformer import Transformer  # noqa: E402
 
 # Kernel kinds by name fragment, first match wins. Mosaic GPU names every Pallas kernel
 # "anonymous_mosaic_gpu_kernel" (MLA, FP8 GEMMs, grouped GEMMs alike): the trace cannot tell them apart.
@@ -57,8 +67,42 @@ def slope(xs: list[float], ys: list[float]) -> float:
     return float(np.polyfit(np.asarray(xs, float), np.asarray(ys, float), 1)[0])
 
 
-def one_slice(n_moe: int, args, bandwidth: float) -> dict:
+def slice_config(n_moe: int, args):
     cfg = e2e_bench.slice_config(n_moe, args.tiny)
+    return cfg.replace(n_routed_experts=args.experts) if args.experts else cfg
+
+
+def weight_bytes(cfg, fp8: bool) -> int:
+    """Bytes of the slice's weights (from shapes only: nothing is allocated)."""
+    model = Transformer(cfg, jax.numpy.bfloat16, fp8=fp8)
+    shapes = jax.eval_shape(lambda k: model.init(k, jax.numpy.zeros((1, 1), "int32"))["params"],
+                            jax.random.key(0))
+    return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(shapes))
+
+
+def check_memory(ns: list[int], args) -> dict[int, float]:
+    """GB of weights per slice; on a GPU, refuse (SystemExit) a slice that cannot fit beside its cache and
+    workspace (90% of the allocator's limit), naming the expert count that would."""
+    gb = {n: weight_bytes(slice_config(n, args), not args.bf16) / 1e9 for n in ns}
+    stats = jax.devices()[0].memory_stats() if jax.default_backend() == "gpu" else None
+    limit = (stats or {}).get("bytes_limit")
+    if limit:
+        room = 0.9 * limit / 1e9
+        too_big = [n for n in ns if gb[n] > room]
+        if too_big:
+            n = max(too_big)
+            cfg = slice_config(n, args)
+            e = cfg.n_routed_experts
+            fits = next((x for x in (128, 64, 32) if x < e and
+                         weight_bytes(cfg.replace(n_routed_experts=x), not args.bf16) / 1e9 <= room), None)
+            raise SystemExit(f"1+{n} MoE layers need {gb[n]:.1f} GB of weights at {e} experts; this device "
+                             f"allows {room:.1f} GB (90% of its limit). Pass --experts {fits} (a batch-1 step "
+                             "reads the same bytes), fewer layers, or run on a larger device.")
+    return gb
+
+
+def one_slice(n_moe: int, args, bandwidth: float) -> dict:
+    cfg = slice_config(n_moe, args)
     model, params = e2e_bench.random_params(cfg, fp8=not args.bf16)
     ps = kv_cache.PAGE_SIZE
     table = kv_cache.contiguous_table(args.batch, args.ctx + 1, ps)
@@ -73,7 +117,10 @@ def one_slice(n_moe: int, args, bandwidth: float) -> dict:
 
     wall = e2e_bench.timeit(lambda: step(params, cache), args.reps)
     floor_ms = 1e3 * e2e_bench.step_bytes(cfg, params, args.batch, args.ctx) / bandwidth
-    row = {"moe_layers": n_moe, "layers": cfg.num_hidden_layers, "wall": wall, "floor_ms": floor_ms}
+    row = {"moe_layers": n_moe, "layers": cfg.num_hidden_layers, "experts": cfg.n_routed_experts, "wall": wall,
+           "floor_ms": floor_ms}
+    if args.xla_variants and n_moe == int(args.moe_layers.split(",")[0]):
+        row["xla_variants"] = xla_variants(step, (params, cache), args)
     if jax.default_backend() == "gpu":
         dev = jax_device_time(step, (params, cache), calls=args.calls)
         row["device"] = {k: dev[k] for k in ("median_ms", "min_ms", "max_ms")}
@@ -87,7 +134,36 @@ def one_slice(n_moe: int, args, bandwidth: float) -> dict:
     return row  # the slice's weights die with this frame (main collects before the next slice)
 
 
-def main() -> None:
+def xla_variants(step, step_args: tuple, args) -> list[dict]:
+    """The step compiled under each of engine_bench.XLA_VARIANTS (options per compile): wall, and on the
+    GPU device time and the gap (wall - device). XLA:CPU accepts the GPU options and ignores them."""
+    from engine_bench import XLA_VARIANTS
+
+    out = []
+    lowered = step.lower(*step_args)
+    for name, opts in XLA_VARIANTS.items():
+        row = {"variant": name, "options": opts}
+        try:
+            t0 = time.perf_counter()
+            comp = lowered.compile(compiler_options=opts) if opts else lowered.compile()
+            row["compile_s"] = time.perf_counter() - t0
+            row["wall"] = e2e_bench.timeit(lambda comp=comp: comp(*step_args), args.reps)
+            if jax.default_backend() == "gpu":
+                try:
+                    dev = jax_device_time(comp, step_args, calls=args.calls)
+                    row["device_ms"] = dev["median_ms"]
+                    row["gap_ms"] = row["wall"]["median_ms"] - dev["median_ms"]
+                    row["launches"] = sum(k["launches_per_call"] for k in dev["kernel_totals"].values())
+                except Exception as e:  # noqa: BLE001 - a graph's kernels may not split into calls
+                    row["device_error"] = repr(e)[:300]
+        except Exception as e:  # noqa: BLE001 - record, keep measuring
+            row["error"] = repr(e)[:300]
+        out.append(row)
+        print(f"  xla variant {name}: {row.get('wall', {}).get('median_ms', row.get('error'))}", flush=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--moe-layers", default="1,2,4", help="slices of 1 dense + n MoE layers, comma-separated")
     ap.add_argument("--batch", type=int, default=1)
@@ -96,16 +172,22 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=20, help="profiled back-to-back calls")
     ap.add_argument("--kernels", default="pallas", choices=("pallas", "reference"))
     ap.add_argument("--bf16", action="store_true", help="BF16 weights (experts through the BF16 grouped GEMM)")
+    ap.add_argument("--experts", type=int, default=0,
+                    help="routed experts per MoE layer (0: the model's 256); 128 fits 1+8 on an 80 GB H100")
+    ap.add_argument("--xla-variants", action="store_true",
+                    help="the first slice's step under each XLA command-buffer variant too")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run at toy size")
     ap.add_argument("--out", type=Path, default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.tiny:
         args.kernels, args.reps = "reference", min(args.reps, 3)
 
+    ns = [int(n) for n in args.moe_layers.split(",")]
+    weights_gb = check_memory(ns, args)
     bandwidth = e2e_bench.copy_bandwidth() if jax.default_backend() == "gpu" else 1e11
     rows = []
-    for n in args.moe_layers.split(","):
-        rows.append(one_slice(int(n), args, bandwidth))
+    for n in ns:
+        rows.append({**one_slice(n, args, bandwidth), "weights_gb": weights_gb[n]})
         gc.collect()
     ns = [r["moe_layers"] for r in rows]
     fit = {"wall_ms_per_layer": slope(ns, [r["wall"]["median_ms"] for r in rows]),
@@ -114,8 +196,11 @@ def main() -> None:
         fit["device_ms_per_layer"] = slope(ns, [r["device"]["median_ms"] for r in rows])
         fit["gap_ms_per_layer"] = slope(ns, [r["gap_ms"] for r in rows])
     fit["beyond_floor_us_per_layer"] = 1e3 * (fit["wall_ms_per_layer"] - fit["floor_ms_per_layer"])
+    fit["floor_ms_at_0_layers"] = float(np.polyfit(ns, [r["floor_ms"] for r in rows], 1)[1]) if len(ns) > 1 \
+        else float("nan")
     result = {"device": str(jax.devices()[0]), "batch": args.batch, "ctx": args.ctx, "weights":
-              "bf16" if args.bf16 else "fp8", "bandwidth_TBps": bandwidth / 1e12, "rows": rows, "fit": fit}
+              "bf16" if args.bf16 else "fp8", "experts": rows[0]["experts"], "bandwidth_TBps": bandwidth / 1e12,
+              "rows": rows, "fit": fit}
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1))
@@ -127,7 +212,8 @@ def main() -> None:
             print(f"  {k['ms_per_call']:8.4f} ms  x{k['launches_per_call']:5.1f}  {k['kind']:15s} {k['name'][:70]}")
         print("  by kind: " + ", ".join(f"{k} {v:.3f}" for k, v in sorted(last["kinds"].items(),
                                                                            key=lambda kv: -kv[1])))
-    print(f"\nb={args.batch} ctx={args.ctx} {result['weights']} on {result['device']}, "
+    print(f"\nb={args.batch} ctx={args.ctx} {result['weights']}, {result['experts']} routed experts per MoE layer, "
+          f"on {result['device']}, "
           f"copy bandwidth {result['bandwidth_TBps']:.2f} TB/s")
     print("| slice | wall ms (min-max) | device ms | gap ms | floor ms | wall/floor |")
     print("| --- | --- | --- | --- | --- | --- |")
@@ -138,6 +224,13 @@ def main() -> None:
         print(f"| 1+{r['moe_layers']} | {w['median_ms']:.3f} ({w['min_ms']:.3f}-{w['max_ms']:.3f}) | {dev} | "
               f"{gap} | {r['floor_ms']:.3f} | {w['median_ms'] / r['floor_ms']:.2f}x |")
     print("per extra MoE layer: " + ", ".join(f"{k} {v:.4f}" for k, v in fit.items()))
+    for v in rows[0].get("xla_variants", []):
+        w = v.get("wall", {}).get("median_ms")
+        print(f"1+{rows[0]['moe_layers']} b={args.batch}, XLA {v['variant']}: "
+              + (f"wall {w:.3f} ms" if w is not None else str(v.get("error")))
+              + (f", device {v['device_ms']:.3f} ms, gap {v['gap_ms']:.3f} ms, {v['launches']:.0f} launches"
+                 if "device_ms" in v else "") + (f" ({v['device_error'][:80]})" if "device_error" in v else ""))
+    return result
 
 
 if __name__ == "__main__":
