@@ -32,9 +32,13 @@ Kernel design ("v2", split QK; Hopper, one CTA = three warpgroups):
   8 barriers (64) = 231,488 of the 232,448 allowed. Mosaic's default reduction scratch (2 KiB) would make
   it 232,512: the row reductions stay inside a warp, so the kernel asks for 1 KiB
   (`REDUCTION_SCRATCH_BYTES`; the CPU lowering test holds the budget).
-- Split-KV: the grid is (batch, row tile, split); split s takes an equal share of the tile's pages.
-  Partial outputs and their log-sum-exp are merged by `merge_splits` (plain max and add reductions over
-  the splits: ~4x faster by GPU time than the single variadic reduce it replaced).
+- Split-KV: the grid is (work item, row tile); a work item (`work_items`) is a row, a page window and a
+  share of it, so split s of a row takes an equal share of each of its tiles' pages. `split_plan` sets the
+  layout (static: base splits that fill the GPU, plus slots for long rows, whose pages are then shared by
+  more CTAs, picked at run time from the lengths: a long row among short ones no longer runs as one CTA
+  walking its whole prefix; its docstring has the arithmetic). Partial outputs and their log-sum-exp are
+  merged by `merge_splits` (plain max and add reductions over the splits: ~4x faster by GPU time than the
+  single variadic reduce it replaced), long rows' extra partials by `merge_long_rows` (L rows only).
 - Causality and raggedness are a per-row limit: row (j, h) attends to positions
   < min(q_start + 1 + j, kv_len); each tile only visits pages below its last row's limit.
 
@@ -55,6 +59,7 @@ in `pallas_kernels/experimental/mla_variants.py`: not used by the model.
 import functools
 import math
 import numbers
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -88,9 +93,118 @@ REDUCTION_SCRATCH_BYTES = 1024
 
 
 def choose_num_splits(batch: int, row_tiles: int, max_pages: int, num_sms: int = DEFAULT_NUM_SMS) -> int:
-    """Splits of the KV length so that batch * tiles * splits roughly fills the GPU once."""
+    """Splits of every row tile's KV pages so that batch * tiles * splits roughly fills the GPU once, at
+    least 2 pages a split (B=1, H=128 at a 2,048-page table: 66 splits, a 128K row 31 pages each; at
+    B >= 66 (H=128) or 132 (H <= 64): 1). Long rows among many get more through `split_plan`."""
     programs = batch * row_tiles
     return max(1, min(num_sms // max(programs, 1), pl.cdiv(max_pages, 2)))
+
+
+LONG_ROW_PAGES = 128  # a row is long when one of its splits would walk more pages than this (8K tokens)
+LONG_SPLITS = 3  # extra splits a long row gets: its pages are shared by num_splits + 3 CTAs per tile
+
+
+class SplitPlan(NamedTuple):
+    """The static split layout of one kernel call (`split_plan`): every row tile's pages in `num_splits`
+    equal shares, and up to `long_rows` long rows whose pages are shared by `num_splits + long_splits`."""
+
+    num_splits: int
+    long_rows: int
+    long_splits: int
+    long_pages: int = LONG_ROW_PAGES  # the run-time test: a row is long when a base share exceeds this
+
+
+def split_plan(batch: int, row_tiles: int, max_pages: int, num_sms: int = DEFAULT_NUM_SMS,
+               long_pages: int = LONG_ROW_PAGES) -> SplitPlan:
+    """The static split layout for `batch` rows of `row_tiles` tiles over a `max_pages`-wide table.
+
+    `num_splits` is `choose_num_splits` (fill the GPU once). It cannot see that one row is long and the
+    others short: the engine's ragged step sends every token as a row (T = 1), so a step with 32 decode
+    rows at 4K (64 pages) and a 22-token chunk at a 128K prefix (2,048 pages a token) is B >= 54 rows,
+    1 split, and each of the chunk's 44 row tiles is one CTA walking 2,048 pages (~2.36 us a page at
+    H=128: the kernel's ~500 TFLOP/s over 132 SMs is 3.8 TFLOP/s a CTA, 8.9 MFLOP a page and tile) = 4.8
+    ms a layer while the decode rows finish in 64 pages and 88 of 132 SMs idle; the balanced time is
+    (44 x 2,048 + 64 x 64) / 132 = 714 pages = 1.7 ms. A static split count large enough for the long
+    rows costs every row B x S partials: at the engine's 512-token program that is 64 MiB a split to write
+    and merge per layer.
+
+    So long rows get more CTAs, chosen at run time from the lengths (`long_row_windows`): a row is long when
+    one of its `num_splits` shares would walk more than LONG_ROW_PAGES (128 pages, ~0.3 ms, 2x a 4K
+    decode row's whole walk: steady-state decode never qualifies); the first `long_rows` long rows share
+    their pages among num_splits + LONG_SPLITS CTAs per tile (base splits the first part, long splits the
+    rest), their partials [long_rows, LONG_SPLITS, R_pad, 512] merged into theirs after the base merge.
+    At the stall step: 22 long rows x 2 tiles x 4 = 176 CTAs of 512 pages (1.2 ms) instead of 44 of 2,048;
+    the step's balanced bound (1.7 ms) is then the limit. `long_rows` = 2 x num_sms // (tiles x LONG_SPLITS)
+    (44 at H=128, T=1: at most 264 long CTAs, 17 MiB of partials); none when a table-wide row's share is
+    at most LONG_ROW_PAGES (short-context engines, B=1 decode: 66 splits of 31 pages) or when a row's tiles
+    alone fill the GPU (prefill chunks, T >= ~45 at H=128). The cost when no row is long (a wide-table
+    engine's decode step): 264 CTAs that exit at once and the long merge over 44 rows (~28 MiB, ~10 us).
+    `num_sms` and `long_pages` are parameters for tests and toy benchmarks."""
+    num_splits = choose_num_splits(batch, row_tiles, max_pages, num_sms)
+    if pl.cdiv(max_pages, num_splits) <= long_pages:
+        return SplitPlan(num_splits, 0, 0, long_pages)
+    long_rows = min(batch, 2 * num_sms // (row_tiles * LONG_SPLITS))
+    return SplitPlan(num_splits, long_rows, LONG_SPLITS if long_rows else 0, long_pages)
+
+
+def row_pages(q_start: jax.Array, kv_len: jax.Array, num_queries: int, max_pages: int) -> jax.Array:
+    """[B] pages of each row's last row tile (its widest): what the kernel walks for the row's last query,
+    min(cdiv(min(kv_len, q_start + Q), PAGE_SIZE), max_pages)."""
+    ends = jnp.minimum(kv_len, q_start + num_queries)
+    return jnp.minimum(pl.cdiv(jnp.maximum(ends, 0), PAGE_SIZE), max_pages)
+
+
+def long_row_windows(pages: jax.Array, plan: SplitPlan, max_pages: int) -> tuple[jax.Array, jax.Array]:
+    """Run-time part of `split_plan` from each row's pages [B]: `head` [B], the pages [0, head) its base
+    splits share (max_pages for a row that is not long: all of them), and `long_idx` [long_rows], the long
+    rows in order (B in a free slot). A long row's base splits take num_splits / (num_splits +
+    long_splits) of its pages and its long splits the rest, so its CTAs walk equal shares."""
+    bsz = pages.shape[0]
+    ns, nl, ks, long_pages = plan
+    is_long = pl.cdiv(pages, ns) > long_pages
+    rank = jnp.cumsum(is_long.astype(jnp.int32)) - 1
+    taken = is_long & (rank < nl)
+    long_idx = jnp.full((nl,), bsz, jnp.int32).at[jnp.where(taken, rank, nl)].set(
+        jnp.arange(bsz, dtype=jnp.int32), mode="drop")
+    head = jnp.where(taken, pl.cdiv(pages * ns, ns + ks), max_pages)
+    return head.astype(jnp.int32), long_idx
+
+
+def work_items(bsz: int, plan: SplitPlan, max_pages: int, head: jax.Array | None = None,
+               long_idx: jax.Array | None = None) -> jax.Array:
+    """The kernel's work list [I, 5] int32, I = B * num_splits + long_rows * long_splits: per item (row,
+    lo, hi, part, parts): it walks share `part` of `parts` of the pages [lo, hi) of each of the row's tiles
+    (clipped to the tile's own pages). Base items first, row-major (item b * S + s), then the long items
+    (long slot l, split k at l * K + k, pages [head, max_pages)); a free long slot walks nothing."""
+    ns, nl, ks, _ = plan
+    rows = jnp.repeat(jnp.arange(bsz, dtype=jnp.int32), ns)
+    hi = jnp.full((bsz * ns,), max_pages, jnp.int32) if head is None else jnp.repeat(head, ns)
+    base = jnp.stack([rows, jnp.zeros_like(rows), hi, jnp.tile(jnp.arange(ns, dtype=jnp.int32), bsz),
+                      jnp.full_like(rows, ns)], axis=1)
+    if not nl:
+        return base
+    free = long_idx >= bsz
+    src = jnp.where(free, 0, long_idx)
+    lo = jnp.where(free, 0, head[src])
+    lhi = jnp.where(free, 0, max_pages)
+    rep = lambda x: jnp.repeat(x, ks)  # noqa: E731
+    extra = jnp.stack([rep(src), rep(lo), rep(lhi), jnp.tile(jnp.arange(ks, dtype=jnp.int32), nl),
+                       jnp.full((nl * ks,), ks, jnp.int32)], axis=1)
+    return jnp.concatenate([base, extra.astype(jnp.int32)])
+
+
+def item_pages(items, tile_pages) -> "np.ndarray":
+    """Host mirror of the kernel's window arithmetic, for tests and benchmarks: items [I, 5] (`work_items`)
+    and each row's pages per tile [B, T] -> [I, T, 2] the (first page, page count) each CTA walks."""
+    import numpy as np
+
+    items, tile_pages = np.asarray(items), np.asarray(tile_pages)
+    n = tile_pages[items[:, 0]]  # [I, T]
+    lo = np.minimum(items[:, 1:2], n)
+    hi = np.minimum(items[:, 2:3], n)
+    per = -(-(hi - lo) // items[:, 4:5])
+    first = np.minimum(lo + items[:, 3:4] * per, hi)
+    return np.stack([first, np.minimum(first + per, hi) - first], axis=-1)
 
 
 def _masked_scores(q_smem, k_smem, slot, key0: int, nkeys: int, page_pos0, limit, scale2):
@@ -122,15 +236,15 @@ def _pv(acc, p16, v, p_stage, interpret: bool):
 
 
 def _kernel(
-    q_ref, kv_ref, bt_ref, qstart_ref, kvlen_ref,  # inputs (GMEM)
+    q_ref, kv_ref, bt_ref, qstart_ref, kvlen_ref, items_ref,  # inputs (GMEM)
     out_ref, lse_ref,  # outputs (GMEM)
     q_smem, k_smem, p_smem, px_smem, mx_smem, q_bar, k_bars, consumed_bars, done_bar, m_bar, p_bar,
-    *, num_heads: int, num_queries: int, num_splits: int, softmax_scale: float, interpret: bool,
+    *, num_heads: int, num_queries: int, softmax_scale: float, interpret: bool,
 ):
-    b = lax.axis_index("b")
+    item = lax.axis_index("i")
     tile = lax.axis_index("t")
-    split = lax.axis_index("s")
     wg = lax.axis_index("wg")
+    b = items_ref[item, 0]  # the work item (`work_items`): row, page window [lo, hi), share part / parts
     row0 = tile * BLOCK_ROWS
     q_start = qstart_ref[b]
     kv_len = kvlen_ref[b]
@@ -140,9 +254,11 @@ def _kernel(
     tile_end = jnp.minimum(kv_len, q_start + 1 + last_tok)
     # Positions past the block table's capacity do not exist (as in the reference): reads stay in the table.
     n_blocks = jnp.minimum(pl.cdiv(tile_end, PAGE_SIZE), bt_ref.shape[1])
-    per_split = pl.cdiv(n_blocks, num_splits)
-    blk_lo = jnp.minimum(split * per_split, n_blocks)
-    n_steps = jnp.minimum(blk_lo + per_split, n_blocks) - blk_lo
+    win_lo = jnp.minimum(items_ref[item, 1], n_blocks)
+    win_hi = jnp.minimum(items_ref[item, 2], n_blocks)
+    per_split = pl.cdiv(win_hi - win_lo, items_ref[item, 4])
+    blk_lo = jnp.minimum(win_lo + items_ref[item, 3] * per_split, win_hi)
+    n_steps = jnp.minimum(blk_lo + per_split, win_hi) - blk_lo
 
     @pl.when(wg == 2)
     def _producer():
@@ -234,10 +350,10 @@ def _kernel(
         for r in range(0, BLOCK_ROWS, 8):
             plgpu.copy_smem_to_gmem(
                 q_smem.at[pl.ds(r, 8), pl.ds(half * HALF, HALF)],
-                out_ref.at[b, split, pl.ds(row0 + r, 8), pl.ds(half * HALF, HALF)],
+                out_ref.at[item, pl.ds(row0 + r, 8), pl.ds(half * HALF, HALF)],
             )
         if half == 0:
-            plgpu.copy_smem_to_gmem(lse_stage, lse_ref.at[b, split, pl.ds(row0, BLOCK_ROWS)])
+            plgpu.copy_smem_to_gmem(lse_stage, lse_ref.at[item, pl.ds(row0, BLOCK_ROWS)])
         plgpu.wait_smem_to_gmem(0)
 
     pl.when(wg == 0)(functools.partial(consumer, 0))
@@ -307,28 +423,15 @@ def merge_splits(out_parts: jax.Array, lse_parts: jax.Array, num_queries: int, n
     return out_m.astype(out_parts.dtype), lse_m
 
 
-def paged_mla_partials(
-    q_latent: jax.Array,
-    q_rope: jax.Array,
-    kv_pages: jax.Array,
-    block_table: jax.Array,
-    q_start: jax.Array,
-    kv_len: jax.Array,
-    *,
-    softmax_scale: float,
-    num_splits: int | None = None,
-    interpret: bool | None = None,
-) -> tuple[jax.Array, jax.Array]:
-    """Runs the kernel; returns the raw split partials out [B, S, R_pad, 512] and lse [B, S, R_pad] with
-    rows R = Q * H padded to a multiple of 64 (every element is written, padding rows included)."""
-    interpret = resolve_interpret(interpret)
+def run_items(q_latent: jax.Array, q_rope: jax.Array, kv_pages: jax.Array, block_table: jax.Array,
+              q_start: jax.Array, kv_len: jax.Array, items: jax.Array, *, softmax_scale: float,
+              interpret: bool) -> tuple[jax.Array, jax.Array]:
+    """Runs the kernel over the work list `items` [I, 5] (`work_items`); returns one partial per item,
+    out [I, R_pad, 512] and lse [I, R_pad], rows R = Q * H padded to a multiple of 64 (every element is
+    written, padding rows and empty items included: an empty share gives out 0, lse -inf)."""
     bsz, nq, nh, _ = q_latent.shape
-    check_kernel_args(q_latent, q_rope, kv_pages, block_table, q_start=q_start, kv_len=kv_len)
-    if num_splits is not None and (not isinstance(num_splits, numbers.Integral) or num_splits < 1):
-        raise ValueError(f"num_splits must be a positive int or None (automatic), got {num_splits!r}")
+    num_items = items.shape[0]
     row_tiles = pl.cdiv(nq * nh, BLOCK_ROWS)
-    if num_splits is None:
-        num_splits = choose_num_splits(bsz, row_tiles, block_table.shape[1])
     q = query_tiles(q_latent, q_rope)
 
     tiling = plgpu.TilingTransform((8, 64))
@@ -355,7 +458,7 @@ def paged_mla_partials(
         p_bar=plgpu.Barrier(num_arrivals=2),
     )
     body = functools.partial(
-        _kernel, num_heads=nh, num_queries=nq, num_splits=num_splits,
+        _kernel, num_heads=nh, num_queries=nq,
         softmax_scale=float(softmax_scale), interpret=bool(interpret),
     )
 
@@ -371,19 +474,53 @@ def paged_mla_partials(
     out_parts, lse_parts = plgpu.kernel(
         entry,
         out_type=(
-            jax.ShapeDtypeStruct((bsz, num_splits, row_tiles * BLOCK_ROWS, LATENT_DIM), dtype),
-            jax.ShapeDtypeStruct((bsz, num_splits, row_tiles * BLOCK_ROWS), jnp.float32),
+            jax.ShapeDtypeStruct((num_items, row_tiles * BLOCK_ROWS, LATENT_DIM), dtype),
+            jax.ShapeDtypeStruct((num_items, row_tiles * BLOCK_ROWS), jnp.float32),
         ),
-        grid=(bsz, row_tiles, num_splits),
-        grid_names=("b", "t", "s"),
+        grid=(num_items, row_tiles),
+        grid_names=("i", "t"),
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(
             approx_math=True, reduction_scratch_bytes=REDUCTION_SCRATCH_BYTES),
         # Interpret mode fills outputs and scratch with NaN first, so an unwritten element shows up.
         interpret=plgpu.InterpretGPUParams(uninitialized_memory="nan") if interpret else None,
-    )(q, kv_pages, block_table.astype(jnp.int32), q_start.astype(jnp.int32), kv_len.astype(jnp.int32))
+    )(q, kv_pages, block_table.astype(jnp.int32), q_start.astype(jnp.int32), kv_len.astype(jnp.int32),
+      items.astype(jnp.int32))
     return out_parts, lse_parts
+
+
+def _check_splits(num_splits) -> None:
+    if num_splits is not None and (not isinstance(num_splits, numbers.Integral) or num_splits < 1):
+        raise ValueError(f"num_splits must be a positive int or None (automatic), got {num_splits!r}")
+
+
+def paged_mla_partials(
+    q_latent: jax.Array,
+    q_rope: jax.Array,
+    kv_pages: jax.Array,
+    block_table: jax.Array,
+    q_start: jax.Array,
+    kv_len: jax.Array,
+    *,
+    softmax_scale: float,
+    num_splits: int | None = None,
+    interpret: bool | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Runs the kernel with every row tile's pages in `num_splits` equal shares (None: `choose_num_splits`;
+    no long-row splits); returns the raw split partials out [B, S, R_pad, 512] and lse [B, S, R_pad] with
+    rows R = Q * H padded to a multiple of 64 (every element is written, padding rows included)."""
+    interpret = resolve_interpret(interpret)
+    bsz, nq, nh, _ = q_latent.shape
+    check_kernel_args(q_latent, q_rope, kv_pages, block_table, q_start=q_start, kv_len=kv_len)
+    _check_splits(num_splits)
+    row_tiles = pl.cdiv(nq * nh, BLOCK_ROWS)
+    if num_splits is None:
+        num_splits = choose_num_splits(bsz, row_tiles, block_table.shape[1])
+    items = work_items(bsz, SplitPlan(num_splits, 0, 0), block_table.shape[1])
+    out, lse = run_items(q_latent, q_rope, kv_pages, block_table, q_start, kv_len, items,
+                         softmax_scale=softmax_scale, interpret=interpret)
+    return out.reshape(bsz, num_splits, *out.shape[1:]), lse.reshape(bsz, num_splits, -1)
 
 
 def paged_mla_attention(
@@ -398,16 +535,63 @@ def paged_mla_attention(
     num_splits: int | None = None,
     interpret: bool | None = None,
     valid_queries: jax.Array | None = None,
+    plan: SplitPlan | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Kernel core shared by decode and prefill; q_* are [B, Q, H, D]; semantics of
     `mla_reference.paged_attention_reference`. Returns out [B, Q, H, 512] and lse [B, Q, H].
-    `valid_queries` [B]: queries j >= valid_queries[b] are padding (out 0, lse -inf; see `merge_splits`)."""
-    _, nq, nh, _ = q_latent.shape
-    out_parts, lse_parts = paged_mla_partials(
-        q_latent, q_rope, kv_pages, block_table, q_start, kv_len,
-        softmax_scale=softmax_scale, num_splits=num_splits, interpret=interpret,
-    )
-    return merge_splits(out_parts, lse_parts, nq, nh, valid_queries)
+    `valid_queries` [B]: queries j >= valid_queries[b] are padding (out 0, lse -inf; see `merge_splits`).
+    Splits: `num_splits` given = that many equal shares for every row (no long-row splits); otherwise
+    `plan` or, by default, `split_plan` (long rows get more CTAs; see there)."""
+    interpret = resolve_interpret(interpret)
+    bsz, nq, nh, _ = q_latent.shape
+    check_kernel_args(q_latent, q_rope, kv_pages, block_table, q_start=q_start, kv_len=kv_len)
+    _check_splits(num_splits)
+    width = block_table.shape[1]
+    row_tiles = pl.cdiv(nq * nh, BLOCK_ROWS)
+    if num_splits is not None:
+        plan = SplitPlan(num_splits, 0, 0)
+    elif plan is None:
+        plan = split_plan(bsz, row_tiles, width)
+    ns, nl, ks, _ = plan
+    if ns < 1 or nl < 0 or (nl and ks < 1) or nl > bsz:
+        raise ValueError(f"bad split plan {plan} for {bsz} rows")
+    q_start, kv_len = q_start.astype(jnp.int32), kv_len.astype(jnp.int32)
+    head = long_idx = None
+    if nl:
+        head, long_idx = long_row_windows(row_pages(q_start, kv_len, nq, width), plan, width)
+    items = work_items(bsz, plan, width, head, long_idx)
+    out_p, lse_p = run_items(q_latent, q_rope, kv_pages, block_table, q_start, kv_len, items,
+                             softmax_scale=softmax_scale, interpret=interpret)
+    n_base = bsz * ns
+    base_o = out_p[:n_base].reshape(bsz, ns, *out_p.shape[1:])
+    base_l = lse_p[:n_base].reshape(bsz, ns, -1)
+    if not nl:
+        return merge_splits(base_o, base_l, nq, nh, valid_queries)
+    merged_o, merged_l = merge_long_rows(base_o, base_l, out_p[n_base:].reshape(nl, ks, *out_p.shape[1:]),
+                                         lse_p[n_base:].reshape(nl, ks, -1), long_idx)
+    return merge_splits(merged_o[:, None], merged_l[:, None], nq, nh, valid_queries)
+
+
+def merge_long_rows(base_out: jax.Array, base_lse: jax.Array, long_out: jax.Array, long_lse: jax.Array,
+                    long_idx: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Base partials [B, S, R_pad, 512] / [B, S, R_pad] and long rows' partials [L, K, R_pad, 512] /
+    [L, K, R_pad] (slot l belongs to row long_idx[l]; B = free) -> out [B, R_pad, 512] (partials' dtype),
+    lse [B, R_pad]: the base splits merged, then each long row's merged base and its K long partials
+    merged again, written back to its row (a gather and a scatter of L rows; no other row is touched)."""
+    bsz = base_out.shape[0]
+    dtype = base_out.dtype
+    if base_out.shape[1] == 1:
+        out, lse = base_out[:, 0], base_lse[:, 0]
+    else:
+        out, lse = merge_partials(base_out, base_lse)
+        out = out.astype(dtype)
+    src = jnp.minimum(long_idx, bsz - 1)
+    rows_o = jnp.concatenate([out[src][:, None], long_out], axis=1)
+    rows_l = jnp.concatenate([lse[src][:, None], long_lse], axis=1)
+    m_o, m_l = merge_partials(rows_o, rows_l)
+    out = out.at[long_idx].set(m_o.astype(dtype), mode="drop")
+    lse = lse.at[long_idx].set(m_l, mode="drop")
+    return out, lse
 
 
 @functools.partial(jax.jit, static_argnames=("softmax_scale", "num_splits", "interpret"))

@@ -445,3 +445,104 @@ def test_decode_kernel_lowers_for_hopper(heads):
     and its 227 KiB shared-memory check: the exchange buffers fit next to the Q tile and the two pages
     (module docstring's budget), and the wgmma / load / concatenate layouts are well formed."""
     decode_lowers_for_hopper(heads)
+
+
+# ------------------------------------------------------------------------------ split plan (long rows)
+
+
+def test_split_plan_at_the_shapes_that_matter():
+    """The static rule (`split_plan`) at the engine's shapes: H=128, T=1 is 2 row tiles a row."""
+    from pallas_kernels.mla_decode import SplitPlan, choose_num_splits, split_plan
+
+    # The stall step: 32 decode rows + a 22-token chunk (or the 128/512-token programs holding them), a
+    # 2,048-page table: one base split (as before) and 44 long-row slots of 3 extra splits.
+    for b in (54, 128, 512, 4096):
+        assert split_plan(b, 2, 2048) == SplitPlan(1, 44, 3), b
+    assert choose_num_splits(54, 2, 2048) == 1  # the old rule alone: a 128K row = one CTA of 2,048 pages
+    # B=1 decode at 128K: 66 splits of 31-32 pages fill the GPU; no long slots.
+    assert split_plan(1, 2, 2048) == SplitPlan(66, 0, 0)
+    # Steady decode on a short-context engine (64-page table): the old rule, nothing added.
+    assert split_plan(32, 2, 64) == SplitPlan(2, 0, 0) and split_plan(40, 2, 64) == SplitPlan(1, 0, 0)
+    # A wide-table engine's decode program (40 rows): long slots exist (a row may be 128K) but cost only
+    # when used; H=16 (1 tile) gets more slots; a prefill chunk's tiles fill the GPU alone: none.
+    assert split_plan(40, 2, 2560) == SplitPlan(1, 40, 3)
+    assert split_plan(128, 1, 2048) == SplitPlan(1, 88, 3)
+    assert split_plan(1, 1024, 2048) == SplitPlan(1, 0, 0)
+
+
+def test_long_rows_share_their_pages_and_short_rows_are_untouched():
+    """At the stall step's lengths (32 rows of 64 pages, 22 of 2,048, padding rows of 0) the work list
+    covers every (row, tile)'s pages exactly once, a CTA walks at most 512 pages (one walked 2,048), and
+    the short rows are walked as before (one CTA each)."""
+    from pallas_kernels.mla_decode import (
+        item_pages,
+        long_row_windows,
+        row_pages,
+        split_plan,
+        work_items,
+    )
+
+    width, b = 2048, 128
+    lens = np.array([4096] * 32 + [131072 - 22 + i + 1 for i in range(22)] + [0] * (b - 54), np.int32)
+    kv_len = jnp.asarray(lens)
+    pages = row_pages(kv_len - (lens > 0), kv_len, 1, width)
+    assert np.asarray(pages).tolist() == [64] * 32 + [2048] * 22 + [0] * (b - 54)
+    plan = split_plan(b, 2, width)
+    head, long_idx = long_row_windows(pages, plan, width)
+    assert np.asarray(long_idx).tolist() == list(range(32, 54)) + [b] * (plan.long_rows - 22)
+    items = np.asarray(work_items(b, plan, width, head, long_idx))
+    assert items.shape == (b * plan.num_splits + plan.long_rows * plan.long_splits, 5)
+    tile_pages = np.repeat(np.asarray(pages)[:, None], 2, axis=1)
+    walk = item_pages(items, tile_pages)  # [I, 2, 2]
+    assert walk[..., 1].max() == 512
+    for row in range(b):  # each row's tiles: the items' windows tile [0, pages) without overlap
+        mine = items[:, 0] == row
+        for t in range(2):
+            spans = sorted((f, f + c) for f, c in walk[mine, t] if c)
+            covered = [p for lo, hi in spans for p in range(lo, hi)]
+            assert covered == list(range(tile_pages[row, t])), (row, t)
+    assert (walk[:32, :, 1] == 64).all()
+    old = item_pages(work_items(b, split_plan(b, 2, width)._replace(long_rows=0), width), tile_pages)
+    assert old[..., 1].max() == 2048
+
+
+def test_more_long_rows_than_slots_leaves_the_rest_whole():
+    from pallas_kernels.mla_decode import SplitPlan, long_row_windows
+
+    pages = jnp.asarray([300, 10, 400, 500, 0], jnp.int32)
+    head, idx = long_row_windows(pages, SplitPlan(1, 2, 3), 512)
+    assert np.asarray(idx).tolist() == [0, 2]  # the first two long rows, in order
+    assert np.asarray(head).tolist() == [75, 512, 100, 512, 512]  # a quarter each; row 3 stays whole
+
+
+# Mixed short and long rows through the kernel with long-row splits forced at small sizes (a row is long
+# past 2 pages a base split): (heads, queries, lengths, plan).
+LONG_CASES = [
+    (16, None, [70, 900, 5, 1500, 1], (2, 2, 3, 2)),  # two long rows, short ones, a 1-token row
+    (16, None, [900, 1100, 1300], (1, 1, 3, 2)),  # more long rows than slots: the rest stay whole
+    (128, None, [200, 640, 0], (1, 3, 2, 1)),  # H=128 (two tiles), an empty row, a free slot
+    (128, 2, [130, 700], (2, 2, 3, 1)),  # MTP at H=128: four tiles of different causal extent
+]
+
+
+@pytest.mark.parametrize("heads,nq,lens,plan", LONG_CASES)
+def test_long_row_splits_match_reference(heads, nq, lens, plan):
+    from pallas_kernels.mla_decode import SplitPlan, paged_mla_attention
+
+    rng = np.random.default_rng(sum(lens) + heads)
+    kv, table = _make_cache(rng, lens)
+    b, q = len(lens), nq or 1
+    ql, qr = _queries(rng, (b, q, heads))
+    seq = jnp.asarray(lens, jnp.int32)
+    start = jnp.maximum(seq - q, 0)
+    fn = jax.jit(lambda *a: paged_mla_attention(*a, softmax_scale=SCALE, interpret=True,
+                                                plan=SplitPlan(*plan)))
+    out, lse = fn(ql, qr, kv, table, start, seq)
+    ref_out, ref_lse = paged_attention_reference(*_f32(ql, qr), jnp.nan_to_num(kv.astype(jnp.float32)), table,
+                                                 start, seq, softmax_scale=SCALE)
+    empty = np.asarray(seq) == 0
+    if empty.any():  # a row with nothing to attend to: out 0, lse -inf (the reference's convention may differ)
+        assert np.all(np.asarray(lse)[empty] == -np.inf) and np.all(np.asarray(out, np.float32)[empty] == 0)
+        keep = ~empty
+        out, lse, ref_out, ref_lse = out[keep], lse[keep], ref_out[keep], ref_lse[keep]
+    _assert_close(out, lse, ref_out, ref_lse, lse_atol=1e-4, lse_rtol=0)
