@@ -74,15 +74,23 @@ def prompts_for(batch: int, vocab: int, tiny: bool) -> list[list[int]]:
     return ids[:batch]
 
 
-def engine_run(h: ModelHandle, prompts: list[list[int]], k: int, new: int, temperature: float) -> dict:
+def make_engine(h: ModelHandle, prompts: list[list[int]], k: int, new: int, modes: tuple[str, ...]) -> tuple:
+    """An engine sized for these prompts (one decode shape of B rows, one prefill shape), its programs
+    compiled (in parallel) and each run once."""
     b = len(prompts)
     longest = max(len(p) for p in prompts) + new + k
     pages = b * -(-longest // kv_cache.PAGE_SIZE) + 1
     cfg = EngineConfig(num_pages=pages, max_batch=b, max_batched_tokens=max(256, b * longest),
                        chunk_size=max(256, longest), spec_k=k, prefix_caching=False, row_buckets=(b,))
     eng = Engine(h, cfg)
-    warm = eng.warmup(modes=("greedy",) if temperature <= 0 else ("full",))
-    eng.generate(prompts, max_new_tokens=4, temperature=temperature, seed=1)  # first run of each program
+    warm = eng.warmup(modes=modes)
+    for m in modes:  # first run of each program, outside the timing
+        eng.generate(prompts, max_new_tokens=4, temperature=0.0 if m == "greedy" else 1.0, seed=1)
+    return eng, warm
+
+
+def engine_run(eng: Engine, prompts: list[list[int]], new: int, temperature: float) -> dict:
+    k = eng.cfg.spec_k
     s0 = dict(eng.stats)
     t0 = time.perf_counter()
     done = eng.generate(prompts, max_new_tokens=new, temperature=temperature, seed=0)
@@ -91,10 +99,9 @@ def engine_run(h: ModelHandle, prompts: list[list[int]], k: int, new: int, tempe
     last = max(r.token_times[-1] for r in done)
     proposed = eng.stats["spec_proposed"] - s0["spec_proposed"]
     accepted = eng.stats["spec_accepted"] - s0["spec_accepted"]
-    steps = eng.stats["steps"] - s0["steps"]
-    out = {"spec_k": k, "batch": b, "temperature": temperature, "warmup_s": warm, "wall_s": wall,
+    out = {"spec_k": k, "batch": len(prompts), "temperature": temperature, "wall_s": wall,
            "decode_tok_s": sum(len(r.output) - 1 for r in done) / (last - first),
-           "output_tok_s": sum(len(r.output) for r in done) / wall, "steps": steps,
+           "output_tok_s": sum(len(r.output) for r in done) / wall, "steps": eng.stats["steps"] - s0["steps"],
            "acceptance": accepted / proposed if proposed else None,
            # drafts proposed per decode row-step are k: accepted per step = k x acceptance
            "accepted_per_step": k * accepted / proposed if proposed else 0.0,
@@ -148,27 +155,29 @@ def engine_part(args, res: dict, save) -> None:
     h32 = fp32_handle(h) if jnp.dtype(h.config.dtype) != jnp.float32 else None
     res["engine"] = {"model": name, "new_tokens": args.new, "runs": [], "greedy_checks": []}
     temps = [0.0] + ([args.temperature] if args.temperature > 0 else [])
+    modes = ("greedy", "full") if len(temps) > 1 else ("greedy",)
     for b in args.batches:
         prompts = prompts_for(b, h.config.vocab_size, args.tiny)
-        for t in temps:
-            plain = None
-            for k in args.ks:
-                r = engine_run(h, prompts, k, args.new, t)
+        plain = None
+        for k in args.ks:
+            eng, warm = make_engine(h, prompts, k, args.new, modes)
+            for t in temps:
+                r = {**engine_run(eng, prompts, args.new, t), "warmup_s": warm}
                 outs = r.pop("outputs")
-                if t <= 0:
-                    if k == 0:
-                        plain = outs
-                    elif plain is not None:
-                        same = [a == o for a, o in zip(plain, outs, strict=True)]
-                        r["same_as_plain"] = sum(same) / len(same)
-                        res["engine"]["greedy_checks"].append(
-                            {"spec_k": k, "batch": b, "identical_prompts": sum(same), "prompts": len(same),
-                             "differences": margins(h, prompts, plain, outs, h32)})
+                if t <= 0 and k == 0:
+                    plain = outs
+                elif t <= 0 and plain is not None:
+                    same = [a == o for a, o in zip(plain, outs, strict=True)]
+                    r["same_as_plain"] = sum(same) / len(same)
+                    res["engine"]["greedy_checks"].append(
+                        {"spec_k": k, "batch": b, "identical_prompts": sum(same), "prompts": len(same),
+                         "differences": margins(h, prompts, plain, outs, h32)})
                 res["engine"]["runs"].append(r)
                 print(f"  engine b={b} T={t} k={k}: {r['decode_tok_s']:.0f} tok/s, accepted/step "
                       f"{r['accepted_per_step']:.2f}" + (f", same as plain {r['same_as_plain']:.2f}"
                                                          if "same_as_plain" in r else ""), flush=True)
                 save()
+            del eng
 
 
 # ------------------------------------------------------------------------------------------ slice part
@@ -218,23 +227,41 @@ def slice_part(args, res: dict, save) -> None:
     save()
     modes = [0.0] + ([args.temperature] if args.temperature > 0 else [])
     bmax = max(args.batches)
+    work = []  # (executor, B, temperature, StepBatch)
     for k in args.ks:
         per = kv_cache.pages_for(args.ctx + k + 1, kv_cache.PAGE_SIZE)
         ex = DeviceExecutor(h, EngineConfig(num_pages=1 + bmax * per, max_batch=bmax, spec_k=k))
-        batches = []
         for b in args.batches:
             shapes = step.StepShapes.make(max_rows=b, max_tokens=b * (k + 1), spec_k=k, decode_rows=(b,))
             for t in modes:
-                batches.append((b, t, step.build(decode_rows(b, k, args.ctx, mc.vocab_size, t), spec_k=k,
-                                                 shapes=shapes, width=ex.width, logprobs=False)))
-        compile_s = ex.warmup([sb.key for _, _, sb in batches])
-        for b, t, sb in batches:
-            row = {"spec_k": k, "batch": b, "temperature": t, "tokens": sb.key.tokens, "compile_wall_s": compile_s,
-                   **time_step(ex, sb, args.reps)}
-            res["slice"]["steps"].append(row)
-            print(f"  slice b={b} T={t} k={k}: {row['median_ms']:.3f} ms", flush=True)
-            save()
-        del ex
+                work.append((ex, b, t, step.build(decode_rows(b, k, args.ctx, mc.vocab_size, t), spec_k=k,
+                                                  shapes=shapes, width=ex.width, logprobs=False)))
+    res["slice"]["compile_wall_s"] = compile_all(h, [(ex, sb.key) for ex, _, _, sb in work])
+    save()
+    for ex, b, t, sb in work:
+        row = {"spec_k": sb.key.spec_k, "batch": b, "temperature": t, "tokens": sb.key.tokens,
+               **time_step(ex, sb, args.reps)}
+        res["slice"]["steps"].append(row)
+        print(f"  slice b={b} T={t} k={sb.key.spec_k}: {row['median_ms']:.3f} ms", flush=True)
+        save()
+
+
+def compile_all(h: ModelHandle, jobs: list[tuple[DeviceExecutor, step.StepKey]]) -> float:
+    """Every (executor, key) program: traced one after another, compiled on parallel threads (as
+    DeviceExecutor.warmup does for one executor), placed where the executors look them up."""
+    import concurrent.futures
+    import os
+
+    from dsv3_jax.engine.executor import compiled_programs
+
+    t0 = time.perf_counter()
+    lowered = [(ex, key, ex._lower(key)) for ex, key in jobs]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
+        done = list(pool.map(lambda j: j[0]._compile_lowered(j[2]), lowered))
+    store = compiled_programs(h)
+    for (ex, key, _), compiled in zip(lowered, done, strict=True):
+        store[ex.compile_key(key)] = compiled
+    return time.perf_counter() - t0
 
 
 # ------------------------------------------------------------------------------------------------ table

@@ -137,29 +137,39 @@ def one_slice(n_moe: int, args, bandwidth: float) -> dict:
 def xla_variants(step, step_args: tuple, args) -> list[dict]:
     """The step compiled under each of engine_bench.XLA_VARIANTS (options per compile): wall, and on the
     GPU device time and the gap (wall - device). XLA:CPU accepts the GPU options and ignores them."""
+    import concurrent.futures
+
     from engine_bench import XLA_VARIANTS
 
-    out = []
     lowered = step.lower(*step_args)
-    for name, opts in XLA_VARIANTS.items():
-        row = {"variant": name, "options": opts}
+
+    def compile_one(opts):  # the variants compile on parallel threads
+        t0 = time.perf_counter()
         try:
-            t0 = time.perf_counter()
             comp = lowered.compile(compiler_options=opts) if opts else lowered.compile()
-            row["compile_s"] = time.perf_counter() - t0
-            row["wall"] = e2e_bench.timeit(lambda comp=comp: comp(*step_args), args.reps)
-            if jax.default_backend() == "gpu":
-                try:
-                    dev = jax_device_time(comp, step_args, calls=args.calls)
-                    row["device_ms"] = dev["median_ms"]
-                    row["gap_ms"] = row["wall"]["median_ms"] - dev["median_ms"]
-                    row["launches"] = sum(k["launches_per_call"] for k in dev["kernel_totals"].values())
-                except Exception as e:  # noqa: BLE001 - a graph's kernels may not split into calls
-                    row["device_error"] = repr(e)[:300]
+            return comp, time.perf_counter() - t0
         except Exception as e:  # noqa: BLE001 - record, keep measuring
-            row["error"] = repr(e)[:300]
+            return e, time.perf_counter() - t0
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(XLA_VARIANTS)) as pool:
+        compiled = list(pool.map(compile_one, XLA_VARIANTS.values()))
+    out = []
+    for (name, opts), (comp, seconds) in zip(XLA_VARIANTS.items(), compiled, strict=True):
+        row = {"variant": name, "options": opts, "compile_s": seconds}
+        if isinstance(comp, Exception):
+            out.append({**row, "error": repr(comp)[:300]})
+            continue
+        row["wall"] = e2e_bench.timeit(lambda comp=comp: comp(*step_args), args.reps)
+        if jax.default_backend() == "gpu":
+            try:
+                dev = jax_device_time(comp, step_args, calls=args.calls)
+                row["device_ms"] = dev["median_ms"]
+                row["gap_ms"] = row["wall"]["median_ms"] - dev["median_ms"]
+                row["launches"] = sum(k["launches_per_call"] for k in dev["kernel_totals"].values())
+            except Exception as e:  # noqa: BLE001 - a graph's kernels may not split into calls
+                row["device_error"] = repr(e)[:300]
         out.append(row)
-        print(f"  xla variant {name}: {row.get('wall', {}).get('median_ms', row.get('error'))}", flush=True)
+        print(f"  xla variant {name}: {row['wall']['median_ms']:.3f} ms", flush=True)
     return out
 
 
