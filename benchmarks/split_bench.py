@@ -145,10 +145,23 @@ def bench_stall(a, timer, res: dict) -> None:
         row["attention_tflop"] = round(chunk_flop / 1e12, 4)
         row["new_tflops"] = round(chunk_flop / row["new"]["median_ms"] / 1e9, 1)
         out.append(row)
-        print(f"stall B={b}: old {row['old']['median_ms']:.3f} ms (CTA <= {row['old']['most_pages_per_cta']} "
+        print(f"{'stall' if a.chunk else 'steady'} B={b}: old {row['old']['median_ms']:.3f} ms (CTA <= {row['old']['most_pages_per_cta']} "
               f"pages), new {row['new']['median_ms']:.3f} ms (CTA <= {row['new']['most_pages_per_cta']} pages), "
               f"{row['speedup']}x, err {row['new_vs_old_rel_err']}", flush=True)
     res["stall"] = out
+
+
+def bench_steady(a, timer, res: dict) -> None:
+    """Steady decode on a wide-table engine: `--steady-batch` rows at 4K, no long row; old vs new must be
+    equal in time (the new layout's cost when unused: long-slot CTAs that exit at once, the long merge)."""
+    saved = a.batches, a.chunk
+    a.batches, a.chunk = [a.steady_batch], 0
+    sub: dict = {}
+    try:
+        bench_stall(a, timer, sub)
+    finally:
+        a.batches, a.chunk = saved
+    res["steady"] = sub["stall"]
 
 
 def bench_merge(a, timer, res: dict) -> None:
@@ -213,7 +226,8 @@ def _copy_bandwidth() -> float:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="toy sizes on CPU (interpreter, host clock)")
-    ap.add_argument("--tasks", default="stall,merge,decode")
+    ap.add_argument("--tasks", default="stall,steady,merge,decode")
+    ap.add_argument("--steady-batch", type=int, default=40, help="steady: decode rows (the stall bench's 40)")
     ap.add_argument("--batches", default="54,128,512", help="stall: row counts (rows past 54 are padding)")
     ap.add_argument("--heads", type=int, default=128)
     ap.add_argument("--width", type=int, default=2048, help="page-table columns (2,048 = 128K)")
@@ -228,7 +242,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=Path("split_bench.json"))
     a = ap.parse_args(argv)
     if a.tiny:  # a long row among short ones still, at interpreter sizes (H=16: one row tile)
-        a.batches, a.heads, a.width, a.decoders, a.decode_ctx = "4", 16, 12, 2, 64
+        a.batches, a.heads, a.width, a.decoders, a.decode_ctx, a.steady_batch = "4", 16, 12, 2, 64, 3
         a.chunk, a.prefix, a.merge_splits, a.decode_len, a.num_sms, a.long_pages = 2, 600, "4", 300, 4, 2
     a.batches = [int(x) for x in str(a.batches).split(",")]
     a.merge_splits = [int(x) for x in str(a.merge_splits).split(",")]
@@ -236,7 +250,8 @@ def main(argv=None) -> int:
     res: dict = {"device": str(jax.devices()[0].device_kind), "date": time.strftime("%Y-%m-%d"),
                  "command": " ".join(sys.argv)}
     tasks = set(a.tasks.split(","))
-    for name, fn in (("stall", bench_stall), ("merge", bench_merge), ("decode", bench_decode)):
+    for name, fn in (("stall", bench_stall), ("steady", bench_steady), ("merge", bench_merge),
+                     ("decode", bench_decode)):
         if name in tasks:
             fn(a, timer, res)
             a.out.parent.mkdir(parents=True, exist_ok=True)
