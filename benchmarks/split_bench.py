@@ -132,7 +132,7 @@ def bench_stall(a, timer, res: dict) -> None:
         row = dict(batch=b, heads=a.heads, width=a.width, old_splits=old_splits, plan=plan._asdict())
         outs = {}
         for name, fn in fns.items():
-            f = jax.jit(lambda *x, fn=fn: fn(*x, valid_queries=valid))
+            f = jax.jit(lambda *x, fn=fn, valid=valid: fn(*x, valid_queries=valid))
             t = timer(f, args)
             outs[name] = (t["out"] if "out" in t else f(*args))[0]
             row[name] = dict(median_ms=round(t["median_ms"], 4), min_ms=round(t["min_ms"], 4),

@@ -63,6 +63,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -177,12 +178,13 @@ def work_items(bsz: int, plan: SplitPlan, max_pages: int, head: jax.Array | None
     (clipped to the tile's own pages). Base items first, row-major (item b * S + s), then the long items
     (long slot l, split k at l * K + k, pages [head, max_pages)); a free long slot walks nothing."""
     ns, nl, ks, _ = plan
-    rows = jnp.repeat(jnp.arange(bsz, dtype=jnp.int32), ns)
-    hi = jnp.full((bsz * ns,), max_pages, jnp.int32) if head is None else jnp.repeat(head, ns)
-    base = jnp.stack([rows, jnp.zeros_like(rows), hi, jnp.tile(jnp.arange(ns, dtype=jnp.int32), bsz),
-                      jnp.full_like(rows, ns)], axis=1)
+    # Built on the host when static (a literal in the program, no op on the device).
+    rows = np.repeat(np.arange(bsz, dtype=np.int32), ns)
+    base = np.stack([rows, np.zeros_like(rows), np.full_like(rows, max_pages),
+                     np.tile(np.arange(ns, dtype=np.int32), bsz), np.full_like(rows, ns)], axis=1)
     if not nl:
-        return base
+        return jnp.asarray(base)
+    base = jnp.asarray(base).at[:, 2].set(jnp.repeat(head, ns))
     free = long_idx >= bsz
     src = jnp.where(free, 0, long_idx)
     lo = jnp.where(free, 0, head[src])
@@ -193,11 +195,9 @@ def work_items(bsz: int, plan: SplitPlan, max_pages: int, head: jax.Array | None
     return jnp.concatenate([base, extra.astype(jnp.int32)])
 
 
-def item_pages(items, tile_pages) -> "np.ndarray":
+def item_pages(items, tile_pages) -> np.ndarray:
     """Host mirror of the kernel's window arithmetic, for tests and benchmarks: items [I, 5] (`work_items`)
     and each row's pages per tile [B, T] -> [I, T, 2] the (first page, page count) each CTA walks."""
-    import numpy as np
-
     items, tile_pages = np.asarray(items), np.asarray(tile_pages)
     n = tile_pages[items[:, 0]]  # [I, T]
     lo = np.minimum(items[:, 1:2], n)

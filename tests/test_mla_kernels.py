@@ -541,7 +541,7 @@ def test_long_row_splits_match_reference(heads, nq, lens, plan):
     ref_out, ref_lse = paged_attention_reference(*_f32(ql, qr), jnp.nan_to_num(kv.astype(jnp.float32)), table,
                                                  start, seq, softmax_scale=SCALE)
     empty = np.asarray(seq) == 0
-    if empty.any():  # a row with nothing to attend to: out 0, lse -inf (the reference's convention may differ)
+    if empty.any():  # a row with nothing to attend to: out 0, lse -inf (whatever the reference says)
         assert np.all(np.asarray(lse)[empty] == -np.inf) and np.all(np.asarray(out, np.float32)[empty] == 0)
         keep = ~empty
         out, lse, ref_out, ref_lse = out[keep], lse[keep], ref_out[keep], ref_lse[keep]

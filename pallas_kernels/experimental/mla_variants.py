@@ -375,7 +375,10 @@ def _kernel(
     pl.when(wg == 1)(functools.partial(consumer, 1))
 
 
-def _merge_pair(a: tuple[jax.Array, jax.Array], b: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+Partial = tuple[jax.Array, jax.Array]  # (lse, out) of one split, out normalized by its own sum
+
+
+def _merge_pair(a: Partial, b: Partial) -> Partial:
     """Log-sum-exp merge of two normalized partials (lse, out); (-inf, 0) is the identity and two empty
     partials give (-inf, 0), not NaN. Associative, so XLA may reduce the splits in any order."""
     (xa, oa), (xb, ob) = a, b
