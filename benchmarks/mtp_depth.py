@@ -74,14 +74,16 @@ def prompts_for(batch: int, vocab: int, tiny: bool) -> list[list[int]]:
     return ids[:batch]
 
 
-def make_engine(h: ModelHandle, prompts: list[list[int]], k: int, new: int, modes: tuple[str, ...]) -> tuple:
-    """An engine sized for these prompts (one decode shape of B rows, one prefill shape), its programs
-    compiled (in parallel) and each run once."""
+def make_engine(h: ModelHandle, prompts: list[list[int]], k: int, new: int, modes: tuple[str, ...],
+                budget: int) -> tuple:
+    """An engine sized for these prompts (one decode shape of B rows, one prefill shape of `budget` tokens),
+    its programs compiled (in parallel) and each run once."""
     b = len(prompts)
     longest = max(len(p) for p in prompts) + new + k
     pages = b * -(-longest // kv_cache.PAGE_SIZE) + 1
-    cfg = EngineConfig(num_pages=pages, max_batch=b, max_batched_tokens=max(256, b * longest),
-                       chunk_size=max(256, longest), spec_k=k, prefix_caching=False, row_buckets=(b,))
+    cfg = EngineConfig(num_pages=pages, max_batch=b, max_batched_tokens=max(budget, b * (k + 1)),
+                       chunk_size=max(len(p) for p in prompts), spec_k=k, prefix_caching=False,
+                       row_buckets=(b,))
     eng = Engine(h, cfg)
     warm = eng.warmup(modes=modes)
     for m in modes:  # first run of each program, outside the timing
@@ -131,11 +133,17 @@ def margins(h: ModelHandle, prompts: list[list[int]], plain: list[list[int]], ot
     if not diffs:
         return []
     seqs = np.asarray([prompts[i] + plain[i] for i, _ in diffs], np.int32)  # one length: one compile
-    rows = [{} for _ in diffs]
+    rows = [{"prompt": i, "position": pos, "plain_token": plain[i][pos], "other_token": other[i][pos]}
+            for i, pos in diffs]
     for tag, handle in (("", h), ("_fp32", h32)):
         if handle is None:
             continue
-        logits = handle.forward(seqs)
+        try:
+            logits = handle.forward(seqs)
+        except Exception as e:  # noqa: BLE001 - the differences stay reported without their margins
+            for row in rows:
+                row[f"margin_error{tag}"] = repr(e)[:300]
+            continue
         for row, (i, pos), lg in zip(rows, diffs, logits, strict=True):
             p0 = len(prompts[i])
             gen = lg[p0 - 1:p0 - 1 + len(plain[i])]  # the logits that chose each plain token
@@ -143,8 +151,8 @@ def margins(h: ModelHandle, prompts: list[list[int]], plain: list[list[int]], ot
             all_margins = top[:, 1] - top[:, 0]
             x = gen[pos]
             top2 = np.argsort(x)[-2:][::-1]
-            row.update({"prompt": i, "position": pos, "plain_token": plain[i][pos], "other_token": other[i][pos],
-                        f"top2{tag}": [int(t) for t in top2], f"top2_margin{tag}": float(x[top2[0]] - x[top2[1]]),
+            row.update({f"top2{tag}": [int(t) for t in top2],
+                        f"top2_margin{tag}": float(x[top2[0]] - x[top2[1]]),
                         f"plain_minus_other{tag}": float(x[plain[i][pos]] - x[other[i][pos]]),
                         f"margin_quantile{tag}": float(np.mean(all_margins <= all_margins[pos]))})
     return rows
@@ -160,7 +168,7 @@ def engine_part(args, res: dict, save) -> None:
         prompts = prompts_for(b, h.config.vocab_size, args.tiny)
         plain = None
         for k in args.ks:
-            eng, warm = make_engine(h, prompts, k, args.new, modes)
+            eng, warm = make_engine(h, prompts, k, args.new, modes, args.max_batched_tokens)
             for t in temps:
                 r = {**engine_run(eng, prompts, args.new, t), "warmup_s": warm}
                 outs = r.pop("outputs")
@@ -195,8 +203,8 @@ def decode_rows(batch: int, k: int, ctx: int, vocab: int, temperature: float) ->
     rng = np.random.default_rng(k)
     return [step.RowPlan(rid=i, slot=i, start=ctx, tokens=rng.integers(2, vocab, k + 1).tolist(), n=k + 1,
                          pending_last=False, final=True, ndraft=k, hint=0,
-                         pages=list(range(1 + i * per, 1 + (i + 1) * per)), temperature=temperature, top_p=1.0,
-                         top_k=0, seed=i, counter=1) for i in range(batch)]
+                         pages=list(range(1 + i * per, 1 + (i + 1) * per)), temperature=temperature,
+                         top_p=1.0, top_k=0, seed=i, counter=1) for i in range(batch)]
 
 
 def time_step(ex: DeviceExecutor, batch: step.StepBatch, reps: int) -> dict:
@@ -256,7 +264,8 @@ def compile_all(h: ModelHandle, jobs: list[tuple[DeviceExecutor, step.StepKey]])
 
     t0 = time.perf_counter()
     lowered = [(ex, key, ex._lower(key)) for ex, key in jobs]
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
+    workers = max(1, min(len(jobs), os.cpu_count() or 1))
+    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
         done = list(pool.map(lambda j: j[0]._compile_lowered(j[2]), lowered))
     store = compiled_programs(h)
     for (ex, key, _), compiled in zip(lowered, done, strict=True):
@@ -297,6 +306,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--new", type=int, default=128, help="new tokens per request (engine part)")
     ap.add_argument("--temperature", type=float, default=0.6, help="the sampled runs' temperature (0: none)")
+    ap.add_argument("--max-batched-tokens", type=int, default=0,
+                    help="the engine's token budget per step (0: 2048 on a GPU, 256 elsewhere: the CPU's "
+                         "reference attention gathers each token's whole page table)")
     ap.add_argument("--moe-layers", type=int, default=4, help="MoE layers of the slice (1 dense + n + MTP)")
     ap.add_argument("--ctx", type=int, default=1024, help="context of the slice's decode rows")
     ap.add_argument("--reps", type=int, default=30)
@@ -305,6 +317,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     args.ks = sorted({0, *(int(k) for k in args.ks.split(","))})
     args.batches = [int(b) for b in args.batches.split(",")]
+    args.max_batched_tokens = args.max_batched_tokens or (2048 if jax.default_backend() == "gpu" else 256)
     if args.tiny:
         args.new, args.ctx, args.reps, args.moe_layers = min(args.new, 12), min(args.ctx, 64), 2, 1
     res: dict = {"device": str(jax.devices()[0].device_kind), "date": time.strftime("%Y-%m-%d"),
@@ -328,8 +341,8 @@ def main(argv: list[str] | None = None) -> dict:
     save()
     print(f"\nMTP at depth on {res['device']} ({res.get('engine', {}).get('model', '-')}; slice "
           f"{res.get('slice', {}).get('layers', '-')} layers + MTP)")
-    print("| B | T | spec_k | accepted / step | same as plain | engine tok/s vs plain | slice step vs plain | "
-          "speedup at depth |")
+    print("| B | T | spec_k | accepted / step | same as plain | engine tok/s vs plain | slice step vs plain "
+          "| speedup at depth |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     f = lambda v, p=2: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
     for r in res["table"]:
@@ -337,9 +350,17 @@ def main(argv: list[str] | None = None) -> dict:
               f"{f(r['same_as_plain'])} | {f(r.get('engine_speedup'))}x | {f(r.get('step_ratio'))}x | "
               f"{f(r.get('speedup_at_depth'))}x |")
     for c in res.get("engine", {}).get("greedy_checks", []):
-        for d in c["differences"]:
-            print(f"greedy k={c['spec_k']} b={c['batch']}: prompt {d['prompt']} differs at token {d['position']} "
-                  f"(plain {d['plain_token']}, MTP {d['other_token']}): top-2 margin {d['top2_margin']:.4f}, "
+        gaps = sorted(abs(d["plain_minus_other"]) for d in c["differences"] if "plain_minus_other" in d)
+        print(f"greedy k={c['spec_k']} b={c['batch']}: {c['identical_prompts']} of {c['prompts']} prompts "
+              "identical to plain" + (f"; |plain - MTP| logit at the first difference: max {gaps[-1]:.4f}, "
+                                      f"median {gaps[len(gaps) // 2]:.4f}" if gaps else ""))
+        for d in sorted(c["differences"], key=lambda d: -abs(d.get("plain_minus_other", 1e9)))[:3]:
+            head = (f"greedy k={c['spec_k']} b={c['batch']}: prompt {d['prompt']} differs at token "
+                    f"{d['position']} (plain {d['plain_token']}, MTP {d['other_token']})")
+            if "top2_margin" not in d:
+                print(f"{head}: {d.get('margin_error')}")
+                continue
+            print(f"{head}: top-2 margin {d['top2_margin']:.4f}, "
                   f"plain - MTP {d['plain_minus_other']:.4f} (<= it at {100 * d['margin_quantile']:.1f}% of "
                   "positions)" + (f"; fp32 forward: plain - MTP {d['plain_minus_other_fp32']:.4f}, top-2 "
                                   f"{d['top2_fp32']}" if "top2_fp32" in d else ""))
