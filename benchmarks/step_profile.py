@@ -199,6 +199,9 @@ def main(argv: list[str] | None = None) -> dict:
     for n in ns:
         rows.append({**one_slice(n, args, bandwidth), "weights_gb": weights_gb[n]})
         gc.collect()
+        if args.out:  # each slice kept as it lands (a run cut short by a time limit still reports them)
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps({"partial": True, "rows": rows}, indent=1))
     ns = [r["moe_layers"] for r in rows]
     fit = {"wall_ms_per_layer": slope(ns, [r["wall"]["median_ms"] for r in rows]),
            "floor_ms_per_layer": slope(ns, [r["floor_ms"] for r in rows])}
