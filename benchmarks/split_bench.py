@@ -104,8 +104,7 @@ def most_pages_per_cta(q_start, kv_len, heads: int, width: int, plan, new: bool)
     tiles = -(-heads // BLOCK_ROWS)
     pages = row_pages(q_start, kv_len, 1, width)
     if new:
-        head, idx = long_row_windows(pages, plan, width)
-        items = work_items(b, plan, width, head, idx)
+        items = work_items(b, plan, width, long_row_windows(pages, plan, width) if plan.long_rows else None)
     else:
         items = work_items(b, plan._replace(long_rows=0, long_splits=0), width)
     tile_pages = np.repeat(np.asarray(pages)[:, None], tiles, axis=1)

@@ -113,6 +113,7 @@ class SplitPlan(NamedTuple):
     long_rows: int
     long_splits: int
     long_pages: int = LONG_ROW_PAGES  # the run-time test: a row is long when a base share exceeds this
+    fill: int = DEFAULT_NUM_SMS  # CTAs per row tile that the long rows together fill: num_sms // tiles
 
 
 def split_plan(batch: int, row_tiles: int, max_pages: int, num_sms: int = DEFAULT_NUM_SMS,
@@ -131,21 +132,24 @@ def split_plan(batch: int, row_tiles: int, max_pages: int, num_sms: int = DEFAUL
 
     So long rows get more CTAs, chosen at run time from the lengths (`long_row_windows`): a row is long when
     one of its `num_splits` shares would walk more than LONG_ROW_PAGES (128 pages, ~0.3 ms, 2x a 4K
-    decode row's whole walk: steady-state decode never qualifies); the first `long_rows` long rows share
-    their pages among num_splits + LONG_SPLITS CTAs per tile (base splits the first part, long splits the
-    rest), their partials [long_rows, LONG_SPLITS, R_pad, 512] merged into theirs after the base merge.
-    At the stall step: 22 long rows x 2 tiles x 4 = 176 CTAs of 512 pages (1.2 ms) instead of 44 of 2,048;
-    the step's balanced bound (1.7 ms) is then the limit. `long_rows` = 2 x num_sms // (tiles x LONG_SPLITS)
-    (44 at H=128, T=1: at most 264 long CTAs, 17 MiB of partials); none when a table-wide row's share is
-    at most LONG_ROW_PAGES (short-context engines, B=1 decode: 66 splits of 31 pages) or when a row's tiles
-    alone fill the GPU (prefill chunks, T >= ~45 at H=128). The cost when no row is long (a wide-table
-    engine's decode step): 264 CTAs that exit at once and the long merge over 44 rows (~28 MiB, ~10 us).
+    decode row's whole walk: steady-state decode never qualifies). The first `long_rows` long rows, n of
+    them, each share their pages among c CTAs per tile, c = num_sms // (n x tiles) clipped to
+    [num_splits, num_splits + LONG_SPLITS] (one wave: 176 CTAs of 512 pages would be two waves, 1,024
+    pages): the base splits take the first num_splits / c of the pages, up to LONG_SPLITS long splits
+    the rest; their partials [long_rows, LONG_SPLITS, R_pad, 512] are merged into the row after the base
+    merge (`merge_long_rows`). At the stall step: 22 long rows x 2 tiles x 3 = 132 CTAs of 683 pages
+    (1.6 ms) instead of 44 of 2,048 (4.8 ms); 15 rows (the default cap's chunk at 128K): 120 CTAs of 512.
+    `long_rows` = 2 x num_sms // (tiles x LONG_SPLITS) (44 at H=128, T=1: at most 264 long CTAs, 17 MiB
+    of partials); none when a table-wide row's share is at most LONG_ROW_PAGES (short-context engines;
+    B=1 decode: 66 splits of 31 pages) or when a row's tiles alone fill the GPU (prefill chunks, T >= ~45
+    at H=128). The cost when no row is long (a wide-table engine's decode step): 264 CTAs that exit at
+    once, a few small ops building the work list, and the long merge over 44 rows (~28 MiB, ~10 us).
     `num_sms` and `long_pages` are parameters for tests and toy benchmarks."""
     num_splits = choose_num_splits(batch, row_tiles, max_pages, num_sms)
     if pl.cdiv(max_pages, num_splits) <= long_pages:
-        return SplitPlan(num_splits, 0, 0, long_pages)
+        return SplitPlan(num_splits, 0, 0, long_pages, num_sms // row_tiles)
     long_rows = min(batch, 2 * num_sms // (row_tiles * LONG_SPLITS))
-    return SplitPlan(num_splits, long_rows, LONG_SPLITS if long_rows else 0, long_pages)
+    return SplitPlan(num_splits, long_rows, LONG_SPLITS if long_rows else 0, long_pages, num_sms // row_tiles)
 
 
 def row_pages(q_start: jax.Array, kv_len: jax.Array, num_queries: int, max_pages: int) -> jax.Array:
@@ -155,44 +159,53 @@ def row_pages(q_start: jax.Array, kv_len: jax.Array, num_queries: int, max_pages
     return jnp.minimum(pl.cdiv(jnp.maximum(ends, 0), PAGE_SIZE), max_pages)
 
 
-def long_row_windows(pages: jax.Array, plan: SplitPlan, max_pages: int) -> tuple[jax.Array, jax.Array]:
-    """Run-time part of `split_plan` from each row's pages [B]: `head` [B], the pages [0, head) its base
-    splits share (max_pages for a row that is not long: all of them), and `long_idx` [long_rows], the long
-    rows in order (B in a free slot). A long row's base splits take num_splits / (num_splits +
-    long_splits) of its pages and its long splits the rest, so its CTAs walk equal shares."""
+class LongRows(NamedTuple):
+    """The run-time part of a `SplitPlan` (`long_row_windows`)."""
+
+    head: jax.Array  # [B] pages [0, head) the row's base splits share (max_pages: all; the row is not long)
+    idx: jax.Array  # [long_rows] the long rows in order, B in a free slot
+    extra: jax.Array  # () long splits each long row uses, 0 .. long_splits
+
+
+def long_row_windows(pages: jax.Array, plan: SplitPlan, max_pages: int) -> LongRows:
+    """Which rows are long and how their pages are shared, from each row's pages [B] (`split_plan`): n long
+    rows taken, c = clip(plan.fill // n, num_splits, num_splits + long_splits) CTAs per tile each; the
+    base splits take the first num_splits / c of a long row's pages, c - num_splits long splits the rest,
+    so its CTAs walk equal shares."""
     bsz = pages.shape[0]
-    ns, nl, ks, long_pages = plan
+    ns, nl, ks, long_pages, fill = plan
     is_long = pl.cdiv(pages, ns) > long_pages
     rank = jnp.cumsum(is_long.astype(jnp.int32)) - 1
     taken = is_long & (rank < nl)
-    long_idx = jnp.full((nl,), bsz, jnp.int32).at[jnp.where(taken, rank, nl)].set(
+    idx = jnp.full((nl,), bsz, jnp.int32).at[jnp.where(taken, rank, nl)].set(
         jnp.arange(bsz, dtype=jnp.int32), mode="drop")
-    head = jnp.where(taken, pl.cdiv(pages * ns, ns + ks), max_pages)
-    return head.astype(jnp.int32), long_idx
+    shares = jnp.clip(fill // jnp.maximum(jnp.sum(taken.astype(jnp.int32)), 1), ns, ns + ks)
+    head = jnp.where(taken & (shares > ns), pl.cdiv(pages * ns, shares), max_pages)
+    return LongRows(head.astype(jnp.int32), idx, (shares - ns).astype(jnp.int32))
 
 
-def work_items(bsz: int, plan: SplitPlan, max_pages: int, head: jax.Array | None = None,
-               long_idx: jax.Array | None = None) -> jax.Array:
+def work_items(bsz: int, plan: SplitPlan, max_pages: int, long: LongRows | None = None) -> jax.Array:
     """The kernel's work list [I, 5] int32, I = B * num_splits + long_rows * long_splits: per item (row,
     lo, hi, part, parts): it walks share `part` of `parts` of the pages [lo, hi) of each of the row's tiles
-    (clipped to the tile's own pages). Base items first, row-major (item b * S + s), then the long items
-    (long slot l, split k at l * K + k, pages [head, max_pages)); a free long slot walks nothing."""
-    ns, nl, ks, _ = plan
+    (clipped to the tile's own pages). Base items first, row-major (item b * S + s, pages [0, head)), then
+    the long items (long slot l, split k at l * K + k, share k of `extra` of [head, max_pages)); a free
+    slot or a split k >= extra walks nothing."""
+    ns, nl, ks = plan[:3]
     # Built on the host when static (a literal in the program, no op on the device).
     rows = np.repeat(np.arange(bsz, dtype=np.int32), ns)
     base = np.stack([rows, np.zeros_like(rows), np.full_like(rows, max_pages),
                      np.tile(np.arange(ns, dtype=np.int32), bsz), np.full_like(rows, ns)], axis=1)
     if not nl:
         return jnp.asarray(base)
+    head, idx, extra = long
     base = jnp.asarray(base).at[:, 2].set(jnp.repeat(head, ns))
-    free = long_idx >= bsz
-    src = jnp.where(free, 0, long_idx)
-    lo = jnp.where(free, 0, head[src])
-    lhi = jnp.where(free, 0, max_pages)
-    rep = lambda x: jnp.repeat(x, ks)  # noqa: E731
-    extra = jnp.stack([rep(src), rep(lo), rep(lhi), jnp.tile(jnp.arange(ks, dtype=jnp.int32), nl),
-                       jnp.full((nl * ks,), ks, jnp.int32)], axis=1)
-    return jnp.concatenate([base, extra.astype(jnp.int32)])
+    src = jnp.repeat(jnp.where(idx >= bsz, 0, idx), ks)
+    part = jnp.tile(jnp.arange(ks, dtype=jnp.int32), nl)
+    used = (jnp.repeat(idx, ks) < bsz) & (part < extra)
+    lo = jnp.where(used, head[src], 0)
+    hi = jnp.where(used, max_pages, 0)
+    parts = jnp.full((nl * ks,), jnp.maximum(extra, 1), jnp.int32)
+    return jnp.concatenate([base, jnp.stack([src, lo, hi, part, parts], axis=1).astype(jnp.int32)])
 
 
 def item_pages(items, tile_pages) -> np.ndarray:
@@ -552,14 +565,12 @@ def paged_mla_attention(
         plan = SplitPlan(num_splits, 0, 0)
     elif plan is None:
         plan = split_plan(bsz, row_tiles, width)
-    ns, nl, ks, _ = plan
+    ns, nl, ks = plan[:3]
     if ns < 1 or nl < 0 or (nl and ks < 1) or nl > bsz:
         raise ValueError(f"bad split plan {plan} for {bsz} rows")
     q_start, kv_len = q_start.astype(jnp.int32), kv_len.astype(jnp.int32)
-    head = long_idx = None
-    if nl:
-        head, long_idx = long_row_windows(row_pages(q_start, kv_len, nq, width), plan, width)
-    items = work_items(bsz, plan, width, head, long_idx)
+    long = long_row_windows(row_pages(q_start, kv_len, nq, width), plan, width) if nl else None
+    items = work_items(bsz, plan, width, long)
     out_p, lse_p = run_items(q_latent, q_rope, kv_pages, block_table, q_start, kv_len, items,
                              softmax_scale=softmax_scale, interpret=interpret)
     n_base = bsz * ns
@@ -568,7 +579,7 @@ def paged_mla_attention(
     if not nl:
         return merge_splits(base_o, base_l, nq, nh, valid_queries)
     merged_o, merged_l = merge_long_rows(base_o, base_l, out_p[n_base:].reshape(nl, ks, *out_p.shape[1:]),
-                                         lse_p[n_base:].reshape(nl, ks, -1), long_idx)
+                                         lse_p[n_base:].reshape(nl, ks, -1), long.idx)
     return merge_splits(merged_o[:, None], merged_l[:, None], nq, nh, valid_queries)
 
 

@@ -457,23 +457,24 @@ def test_split_plan_at_the_shapes_that_matter():
     # The stall step: 32 decode rows + a 22-token chunk (or the 128/512-token programs holding them), a
     # 2,048-page table: one base split (as before) and 44 long-row slots of 3 extra splits.
     for b in (54, 128, 512, 4096):
-        assert split_plan(b, 2, 2048) == SplitPlan(1, 44, 3), b
+        assert split_plan(b, 2, 2048) == SplitPlan(1, 44, 3, 128, 66), b
     assert choose_num_splits(54, 2, 2048) == 1  # the old rule alone: a 128K row = one CTA of 2,048 pages
     # B=1 decode at 128K: 66 splits of 31-32 pages fill the GPU; no long slots.
-    assert split_plan(1, 2, 2048) == SplitPlan(66, 0, 0)
+    assert split_plan(1, 2, 2048)[:3] == (66, 0, 0)
     # Steady decode on a short-context engine (64-page table): the old rule, nothing added.
-    assert split_plan(32, 2, 64) == SplitPlan(2, 0, 0) and split_plan(40, 2, 64) == SplitPlan(1, 0, 0)
+    assert split_plan(32, 2, 64)[:3] == (2, 0, 0) and split_plan(40, 2, 64)[:3] == (1, 0, 0)
     # A wide-table engine's decode program (40 rows): long slots exist (a row may be 128K) but cost only
     # when used; H=16 (1 tile) gets more slots; a prefill chunk's tiles fill the GPU alone: none.
-    assert split_plan(40, 2, 2560) == SplitPlan(1, 40, 3)
-    assert split_plan(128, 1, 2048) == SplitPlan(1, 88, 3)
-    assert split_plan(1, 1024, 2048) == SplitPlan(1, 0, 0)
+    assert split_plan(40, 2, 2560)[:3] == (1, 40, 3)
+    assert split_plan(128, 1, 2048)[:3] == (1, 88, 3)
+    assert split_plan(1, 1024, 2048)[:3] == (1, 0, 0)
 
 
 def test_long_rows_share_their_pages_and_short_rows_are_untouched():
-    """At the stall step's lengths (32 rows of 64 pages, 22 of 2,048, padding rows of 0) the work list
-    covers every (row, tile)'s pages exactly once, a CTA walks at most 512 pages (one walked 2,048), and
-    the short rows are walked as before (one CTA each)."""
+    """At the stall step's lengths (32 rows of 64 pages, 22 or 15 of 2,048, padding rows of 0) the work
+    list covers every (row, tile)'s pages exactly once, a CTA walks at most 683 (22 rows: 3 CTAs a tile,
+    132 in all) or 512 pages (15 rows: 4, 120 in all) where one walked 2,048, and the short rows are
+    walked as before (one CTA each)."""
     from pallas_kernels.mla_decode import (
         item_pages,
         long_row_windows,
@@ -483,36 +484,45 @@ def test_long_rows_share_their_pages_and_short_rows_are_untouched():
     )
 
     width, b = 2048, 128
-    lens = np.array([4096] * 32 + [131072 - 22 + i + 1 for i in range(22)] + [0] * (b - 54), np.int32)
-    kv_len = jnp.asarray(lens)
-    pages = row_pages(kv_len - (lens > 0), kv_len, 1, width)
-    assert np.asarray(pages).tolist() == [64] * 32 + [2048] * 22 + [0] * (b - 54)
-    plan = split_plan(b, 2, width)
-    head, long_idx = long_row_windows(pages, plan, width)
-    assert np.asarray(long_idx).tolist() == list(range(32, 54)) + [b] * (plan.long_rows - 22)
-    items = np.asarray(work_items(b, plan, width, head, long_idx))
-    assert items.shape == (b * plan.num_splits + plan.long_rows * plan.long_splits, 5)
-    tile_pages = np.repeat(np.asarray(pages)[:, None], 2, axis=1)
-    walk = item_pages(items, tile_pages)  # [I, 2, 2]
-    assert walk[..., 1].max() == 512
-    for row in range(b):  # each row's tiles: the items' windows tile [0, pages) without overlap
-        mine = items[:, 0] == row
-        for t in range(2):
-            spans = sorted((f, f + c) for f, c in walk[mine, t] if c)
-            covered = [p for lo, hi in spans for p in range(lo, hi)]
-            assert covered == list(range(tile_pages[row, t])), (row, t)
-    assert (walk[:32, :, 1] == 64).all()
-    old = item_pages(work_items(b, split_plan(b, 2, width)._replace(long_rows=0), width), tile_pages)
-    assert old[..., 1].max() == 2048
+    for chunk, most, ctas in ((22, 683, 132), (15, 512, 120)):
+        lens = np.array([4096] * 32 + [131072 - chunk + i + 1 for i in range(chunk)] + [0] * (b - 32 - chunk),
+                        np.int32)
+        kv_len = jnp.asarray(lens)
+        pages = row_pages(kv_len - (lens > 0), kv_len, 1, width)
+        assert np.asarray(pages).tolist() == [64] * 32 + [2048] * chunk + [0] * (b - 32 - chunk)
+        plan = split_plan(b, 2, width)
+        long = long_row_windows(pages, plan, width)
+        assert np.asarray(long.idx).tolist() == list(range(32, 32 + chunk)) + [b] * (plan.long_rows - chunk)
+        items = np.asarray(work_items(b, plan, width, long))
+        assert items.shape == (b * plan.num_splits + plan.long_rows * plan.long_splits, 5)
+        tile_pages = np.repeat(np.asarray(pages)[:, None], 2, axis=1)
+        walk = item_pages(items, tile_pages)  # [I, 2, 2]
+        assert walk[..., 1].max() == most
+        assert (walk[..., 1] > 64).sum() == ctas  # the long rows' CTAs: one wave
+        for row in range(b):  # each row's tiles: the items' windows tile [0, pages) without overlap
+            mine = items[:, 0] == row
+            for t in range(2):
+                spans = sorted((f, f + c) for f, c in walk[mine, t] if c)
+                covered = [p for lo, hi in spans for p in range(lo, hi)]
+                assert covered == list(range(tile_pages[row, t])), (row, t)
+        assert (walk[:32, :, 1] == 64).all()
+        old = item_pages(work_items(b, plan._replace(long_rows=0), width), tile_pages)
+        assert old[..., 1].max() == 2048
 
 
 def test_more_long_rows_than_slots_leaves_the_rest_whole():
     from pallas_kernels.mla_decode import SplitPlan, long_row_windows
 
     pages = jnp.asarray([300, 10, 400, 500, 0], jnp.int32)
-    head, idx = long_row_windows(pages, SplitPlan(1, 2, 3), 512)
+    head, idx, extra = long_row_windows(pages, SplitPlan(1, 2, 3), 512)
     assert np.asarray(idx).tolist() == [0, 2]  # the first two long rows, in order
-    assert np.asarray(head).tolist() == [75, 512, 100, 512, 512]  # a quarter each; row 3 stays whole
+    assert np.asarray(head).tolist() == [75, 512, 100, 512, 512] and extra == 3  # a quarter each; row 3 whole
+    # Only 6 CTAs to fill: 3 per long row, so 2 of the 3 long splits are used.
+    head, idx, extra = long_row_windows(pages, SplitPlan(1, 2, 3, fill=6), 512)
+    assert np.asarray(head).tolist() == [100, 512, 134, 512, 512] and extra == 2
+    # Many long rows and few CTAs: none extended (the base split takes everything).
+    head, _, extra = long_row_windows(pages, SplitPlan(1, 2, 3, fill=2), 512)
+    assert np.asarray(head).tolist() == [512] * 5 and extra == 0
 
 
 # Mixed short and long rows through the kernel with long-row splits forced at small sizes (a row is long
@@ -522,6 +532,7 @@ LONG_CASES = [
     (16, None, [900, 1100, 1300], (1, 1, 3, 2)),  # more long rows than slots: the rest stay whole
     (128, None, [200, 640, 0], (1, 3, 2, 1)),  # H=128 (two tiles), an empty row, a free slot
     (128, 2, [130, 700], (2, 2, 3, 1)),  # MTP at H=128: four tiles of different causal extent
+    (16, None, [900, 40, 1300], (1, 2, 3, 2, 7)),  # fill 7: 3 CTAs a long row, 2 of the 3 long splits
 ]
 
 
