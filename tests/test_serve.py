@@ -350,17 +350,29 @@ def test_vllm_style_benchmark_client(server):
 
 
 def test_big_neighbour_does_not_stall_streams(server):
-    """A 5 MB completion body (read, parsed, tokenized: ~1.2M tokens, then refused as too long) while 4
-    streams run: the host work runs on the server's thread pool, so no stream stops for it (before: every
-    stream and /health froze for ~3.5 s). Bound: a stream's largest gap stays under 1 s + 4x its own median
-    gap (the engine steps every few ms here; on a loaded 2-core box a step can take a few hundred ms)."""
+    """Issue 31's goal: a stream's max gap under a 5 MB neighbour stays under 2x its median. Four streams
+    decode; once each has 8 tokens past the moment all had their first, a 5 MB completion body (~1.2M
+    tokens) arrives and is refused as too long. Its host work (read, parse at the engine's priority,
+    refused from its length without tokenizing: Tokenizer.max_token_chars) is ~10 ms of server CPU,
+    answered in 20-130 ms (before: 3.5-8 s of tokenizing while every stream froze). "Under the neighbour" is
+    each stream's gaps that overlap its time in the server (sent to answered); "its median" is the
+    stream's median gap once all four decode (serve_client.steady_gaps). Before that a stream sees its
+    peers' prefill step (5-7x a decode step on CPU) and, right after it, a step ~1.3x the median, with or
+    without a neighbour: costs of admitting the peers, not of the neighbour, so it arrives after them. Not
+    the whole run's max: on this shared 2-core box other jobs alone stretch some step to 2-3x the median
+    in runs without any neighbour (benchmarks/RESULTS.md, issue 31 item 5); the failure message carries
+    the run's figures to tell the two apart."""
     from benchmarks.serve_client import run_bench
 
     s = asyncio.run(run_bench(server, model=MODEL, num_prompts=4, input_len=16, output_len=96,
                               max_concurrency=4, neighbour_bytes=5_000_000, deadline_s=180))
     assert s["completed"] == 4 and s["neighbour"]["status"] == 400, s
-    worst = max(g - 4 * m for g, m in zip(s["max_gap_per_request_s"], s["median_gap_per_request_s"]))
-    assert worst < 1.0, (s["max_gap_per_request_s"], s["median_gap_per_request_s"], s["neighbour"])
+    assert s["neighbour"]["seconds"] < 1.0, s["neighbour"]
+    under, medians = s["neighbour_max_gap_per_request_s"], s["steady_median_gap_per_request_s"]
+    assert len(under) == len(medians) == 4 and min(under) > 0, s
+    assert all(g < 2 * m for g, m in zip(under, medians)), (
+        f"under the neighbour {under}, medians {medians}, neighbour {s['neighbour']}, whole-run max gaps "
+        f"after admission {s['steady_max_gap_per_request_s']}")
 
 
 def test_logprobs_are_the_engines(client, handle):

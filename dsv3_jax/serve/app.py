@@ -8,8 +8,9 @@ request may span), wire conventions of parameters (top_k -1, a seed per request,
 and tool-call parsing of the streamed text (parsers.py), wire logprobs and finish reasons, usage, SSE
 streaming, cancelling on client disconnect, HTTP status codes (`_failure`, the one mapping), the
 HTTP-side metrics (requests by status, tokens, TTFT, ITL) and the one-line request log.
-No stalls: tokenizing, chat rendering, body parsing and echo detokenizing run in a small thread pool
-(`Service.run`), never on the event loop, so a 5 MB body does not hold up other streams.
+No stalls: tokenizing, chat rendering and echo detokenizing run in a small thread pool (`Service.run`,
+below the engine thread's priority), body parsing on its own thread (`Service.parse`, at the engine's
+priority: it holds the GIL), never on the event loop, so a 5 MB body does not hold up other streams.
 Resolving and checking a request's parameters, detokenizing, stop strings and finish reasons are the
 request layer's (request_stream.py; its streams run on runner.py's engine thread, which says why).
 Must not call the Engine directly (runner.py's thread does) nor define wire shapes (protocol.py).
@@ -165,12 +166,20 @@ class Service:
         self._seeds = random.Random(opts.seed)
         self._pool = ThreadPoolExecutor(_HOST_THREADS, thread_name_prefix="dsv3-host",
                                         initializer=_lower_thread_priority)
+        # Parsing a body holds the GIL (json, pydantic): ~8 ms for 5 MB. A niced thread holding the GIL on a
+        # busy box waits behind every other runnable task, and the engine thread waits for the GIL behind it
+        # (priority inversion): parsing runs at the engine's priority.
+        self._parse_pool = ThreadPoolExecutor(1, thread_name_prefix="dsv3-parse")
 
     async def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """`fn(*args, **kwargs)` on the host thread pool (tokenizing, rendering, parsing): the event loop
-        keeps serving other streams meanwhile."""
+        """`fn(*args, **kwargs)` on the host thread pool (tokenizing, rendering): the event loop keeps
+        serving other streams meanwhile."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, lambda: fn(*args, **kwargs))
+
+    async def parse(self, raw: bytes, model: type[P._Strict]) -> Any:
+        """A request body validated into `model`, off the event loop at normal priority (above)."""
+        return await asyncio.get_running_loop().run_in_executor(self._parse_pool, _parse, raw, model)
 
     def warm_host(self) -> None:
         """Render and encode one chat before the port opens (the template compiles on first use; the
@@ -350,7 +359,7 @@ async def _body(request: Request, model: type[P._Strict]) -> Any:
             raise P.RequestError(_too_large(size, limit, more=True), None, status=413,
                                  code="request_too_large")
         chunks.append(chunk)
-    return await svc.run(_parse, b"".join(chunks), model)
+    return await svc.parse(b"".join(chunks), model)
 
 
 def _too_large(size: int, limit: int, more: bool = False) -> str:
