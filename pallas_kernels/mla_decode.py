@@ -250,9 +250,9 @@ def _pv(acc, p16, v, p_stage, interpret: bool):
 
 def _kernel(
     q_ref, kv_ref, bt_ref, qstart_ref, kvlen_ref, items_ref,  # inputs (GMEM)
-    out_ref, lse_ref,  # outputs (GMEM)
+    *outs,  # outputs (GMEM): out, lse of the first `num_base` items (and of the rest, when there are more)
     q_smem, k_smem, p_smem, px_smem, mx_smem, q_bar, k_bars, consumed_bars, done_bar, m_bar, p_bar,
-    *, num_heads: int, num_queries: int, softmax_scale: float, interpret: bool,
+    num_base: int, num_heads: int, num_queries: int, softmax_scale: float, interpret: bool,
 ):
     item = lax.axis_index("i")
     tile = lax.axis_index("t")
@@ -359,14 +359,22 @@ def _kernel(
         if half == 0:
             lse_stage[...] = jnp.where(empty, -jnp.inf, (m_i + jnp.log2(l_safe)) * _LN2)
         plgpu.commit_smem()
-        # A column half of the tiled tile is not contiguous; each 8-row group of it is (8x64 tiles).
-        for r in range(0, BLOCK_ROWS, 8):
-            plgpu.copy_smem_to_gmem(
-                q_smem.at[pl.ds(r, 8), pl.ds(half * HALF, HALF)],
-                out_ref.at[item, pl.ds(row0 + r, 8), pl.ds(half * HALF, HALF)],
-            )
-        if half == 0:
-            plgpu.copy_smem_to_gmem(lse_stage, lse_ref.at[item, pl.ds(row0, BLOCK_ROWS)])
+
+        def write(out_ref, lse_ref, at):
+            # A column half of the tiled tile is not contiguous; each 8-row group of it is (8x64 tiles).
+            for r in range(0, BLOCK_ROWS, 8):
+                plgpu.copy_smem_to_gmem(
+                    q_smem.at[pl.ds(r, 8), pl.ds(half * HALF, HALF)],
+                    out_ref.at[at, pl.ds(row0 + r, 8), pl.ds(half * HALF, HALF)],
+                )
+            if half == 0:
+                plgpu.copy_smem_to_gmem(lse_stage, lse_ref.at[at, pl.ds(row0, BLOCK_ROWS)])
+
+        if len(outs) == 2:
+            write(*outs, item)
+        else:  # base items and long items go to separate outputs (the base one is merged in place)
+            pl.when(item < num_base)(lambda: write(outs[0], outs[1], item))
+            pl.when(item >= num_base)(lambda: write(outs[2], outs[3], item - num_base))
         plgpu.wait_smem_to_gmem(0)
 
     pl.when(wg == 0)(functools.partial(consumer, 0))
@@ -438,12 +446,15 @@ def merge_splits(out_parts: jax.Array, lse_parts: jax.Array, num_queries: int, n
 
 def run_items(q_latent: jax.Array, q_rope: jax.Array, kv_pages: jax.Array, block_table: jax.Array,
               q_start: jax.Array, kv_len: jax.Array, items: jax.Array, *, softmax_scale: float,
-              interpret: bool) -> tuple[jax.Array, jax.Array]:
+              interpret: bool, num_base: int | None = None) -> tuple[jax.Array, ...]:
     """Runs the kernel over the work list `items` [I, 5] (`work_items`); returns one partial per item,
     out [I, R_pad, 512] and lse [I, R_pad], rows R = Q * H padded to a multiple of 64 (every element is
-    written, padding rows and empty items included: an empty share gives out 0, lse -inf)."""
+    written, padding rows and empty items included: an empty share gives out 0, lse -inf). With
+    `num_base` < I: (out, lse) of the first num_base items and (out, lse) of the rest, four arrays (so the
+    base partials are a whole buffer that a merge may update in place, not a slice)."""
     bsz, nq, nh, _ = q_latent.shape
     num_items = items.shape[0]
+    num_base = num_items if num_base is None else num_base
     row_tiles = pl.cdiv(nq * nh, BLOCK_ROWS)
     q = query_tiles(q_latent, q_rope)
 
@@ -471,7 +482,7 @@ def run_items(q_latent: jax.Array, q_rope: jax.Array, kv_pages: jax.Array, block
         p_bar=plgpu.Barrier(num_arrivals=2),
     )
     body = functools.partial(
-        _kernel, num_heads=nh, num_queries=nq,
+        _kernel, num_base=num_base, num_heads=nh, num_queries=nq,
         softmax_scale=float(softmax_scale), interpret=bool(interpret),
     )
 
@@ -484,12 +495,15 @@ def run_items(q_latent: jax.Array, q_rope: jax.Array, kv_pages: jax.Array, block
 
         pl.run_scoped(scoped, *(scratch[k] for k in names), collective_axes="wg")
 
-    out_parts, lse_parts = plgpu.kernel(
+    rows = row_tiles * BLOCK_ROWS
+    out_type = [jax.ShapeDtypeStruct((num_base, rows, LATENT_DIM), dtype),
+                jax.ShapeDtypeStruct((num_base, rows), jnp.float32)]
+    if num_base < num_items:
+        out_type += [jax.ShapeDtypeStruct((num_items - num_base, rows, LATENT_DIM), dtype),
+                     jax.ShapeDtypeStruct((num_items - num_base, rows), jnp.float32)]
+    return plgpu.kernel(
         entry,
-        out_type=(
-            jax.ShapeDtypeStruct((num_items, row_tiles * BLOCK_ROWS, LATENT_DIM), dtype),
-            jax.ShapeDtypeStruct((num_items, row_tiles * BLOCK_ROWS), jnp.float32),
-        ),
+        out_type=tuple(out_type),
         grid=(num_items, row_tiles),
         grid_names=("i", "t"),
         num_threads=3,
@@ -500,7 +514,6 @@ def run_items(q_latent: jax.Array, q_rope: jax.Array, kv_pages: jax.Array, block
         interpret=plgpu.InterpretGPUParams(uninitialized_memory="nan") if interpret else None,
     )(q, kv_pages, block_table.astype(jnp.int32), q_start.astype(jnp.int32), kv_len.astype(jnp.int32),
       items.astype(jnp.int32))
-    return out_parts, lse_parts
 
 
 def _check_splits(num_splits) -> None:
@@ -571,15 +584,15 @@ def paged_mla_attention(
     q_start, kv_len = q_start.astype(jnp.int32), kv_len.astype(jnp.int32)
     long = long_row_windows(row_pages(q_start, kv_len, nq, width), plan, width) if nl else None
     items = work_items(bsz, plan, width, long)
-    out_p, lse_p = run_items(q_latent, q_rope, kv_pages, block_table, q_start, kv_len, items,
-                             softmax_scale=softmax_scale, interpret=interpret)
-    n_base = bsz * ns
-    base_o = out_p[:n_base].reshape(bsz, ns, *out_p.shape[1:])
-    base_l = lse_p[:n_base].reshape(bsz, ns, -1)
+    out_p, lse_p, *long_p = run_items(q_latent, q_rope, kv_pages, block_table, q_start, kv_len, items,
+                                      softmax_scale=softmax_scale, interpret=interpret, num_base=bsz * ns)
+    base_o = out_p.reshape(bsz, ns, *out_p.shape[1:])
+    base_l = lse_p.reshape(bsz, ns, -1)
     if not nl:
         return merge_splits(base_o, base_l, nq, nh, valid_queries)
-    merged_o, merged_l = merge_long_rows(base_o, base_l, out_p[n_base:].reshape(nl, ks, *out_p.shape[1:]),
-                                         lse_p[n_base:].reshape(nl, ks, -1), long.idx)
+    long_o, long_l = long_p
+    merged_o, merged_l = merge_long_rows(base_o, base_l, long_o.reshape(nl, ks, *long_o.shape[1:]),
+                                         long_l.reshape(nl, ks, -1), long.idx)
     return merge_splits(merged_o[:, None], merged_l[:, None], nq, nh, valid_queries)
 
 
