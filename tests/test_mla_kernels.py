@@ -264,6 +264,25 @@ def test_decode_gpu_mtp_and_prefill():
                   np.asarray(ref_out)[valid], np.asarray(ref_lse)[valid])
 
 
+@pytest.mark.gpu
+def test_long_rows_among_short_gpu():
+    """The stall step's shape at a 32K prefix on the GPU, default plan (`split_plan`: 1 base split, long
+    rows shared by 3 CTAs a tile): 32 rows at 4K, 22 long rows, H=128, T=1, against the reference."""
+    from pallas_kernels.mla_decode import paged_mla_attention, split_plan
+
+    rng = np.random.default_rng(29)
+    lens = [4096] * 32 + [32768 - 21 + i for i in range(22)]
+    kv, table = _make_cache(rng, lens, extra_pages=1, poison_unused=False)
+    assert split_plan(len(lens), 2, table.shape[1])[:3] == (1, 44, 3)
+    ql, qr = _queries(rng, (len(lens), 1, 128))
+    seq = jnp.asarray(lens, jnp.int32)
+    attn = jax.jit(lambda *a: paged_mla_attention(*a, softmax_scale=SCALE))
+    out, lse = attn(ql, qr, kv, table, seq - 1, seq)
+    ref_out, ref_lse = jax.jit(lambda *a: paged_attention_reference(*a, softmax_scale=SCALE))(
+        *_f32(ql, qr, kv), table, seq - 1, seq)
+    _assert_close(out, lse, ref_out, ref_lse)
+
+
 def test_paged_reference_is_shared_core():
     """Decode and prefill references are the same core with q_start = seq_lens - Q / start_pos."""
     rng = np.random.default_rng(5)
