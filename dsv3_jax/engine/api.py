@@ -53,7 +53,11 @@ class EngineConfig:
     max_batched_tokens: int = 2048  # token budget per step (prefill chunks + decode tokens)
     chunk_size: int = 512  # longest prefill chunk of one request per step
     # While a step carries decode rows, its prefill chunks attend at most this many (query, key) pairs
-    # (scheduler.py): 2**21 = a 512-token chunk at a 4K prefix, ~16 tokens at 128K; 0 = no cap.
+    # (scheduler.py): 2**21 = a 512-token chunk at a 4K prefix, ~16 tokens at 128K; 0 = no cap. Spread over
+    # the GPU (the MLA kernel's long-row splits, mla_decode.split_plan) that is 2**21 x 128 heads x 2,176
+    # FLOP = 0.58 TFLOP, ~1.2 ms a layer at any prefix (~6 ms a step on the 5-layer slice beside a ~13 ms
+    # decode step: p99 ~1.5x the decoders' p50, inside the 2x goal); 2**20 halves that and doubles the long
+    # prompt's TTFT.
     prefill_attention_pairs: int = 2**21
     prefix_caching: bool = True
     spec_k: int = 0  # MTP draft tokens per step (0 = off, 1..3)
