@@ -102,12 +102,13 @@ def choose_num_splits(batch: int, row_tiles: int, max_pages: int, num_sms: int =
 
 
 LONG_ROW_PAGES = 128  # a row is long when one of its splits would walk more pages than this (8K tokens)
-LONG_SPLITS = 3  # extra splits a long row gets: its pages are shared by num_splits + 3 CTAs per tile
+LONG_SPLITS = 3  # extra splits a long row may get: its pages shared by up to num_splits + 3 CTAs a tile
 
 
 class SplitPlan(NamedTuple):
     """The static split layout of one kernel call (`split_plan`): every row tile's pages in `num_splits`
-    equal shares, and up to `long_rows` long rows whose pages are shared by `num_splits + long_splits`."""
+    equal shares, and up to `long_rows` long rows whose pages are shared by up to `num_splits + long_splits`
+    CTAs a tile (`long_row_windows` decides at run time)."""
 
     num_splits: int
     long_rows: int
