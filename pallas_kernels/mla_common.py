@@ -193,13 +193,18 @@ def kernel_shape_error(latent: int, rope: int, kv_shape: tuple[int, ...]) -> str
 def check_kernel_args(q_latent: jax.Array, q_rope: jax.Array, kv_pages: Any, block_table: jax.Array,
                       **lengths: jax.Array) -> None:
     """All checks the kernels make on [B, Q, H, D] queries before launching (`lengths` as in
-    `check_cache_args`)."""
+    `check_cache_args`). A value cache must share q's 16-bit dtype; `Fp8Pages` take bf16 queries."""
     check_cache_args(kv_pages, block_table, q_latent.shape[0], **lengths)
-    if is_fp8_cache(kv_pages):
-        raise ValueError("the Pallas MLA kernels take no FP8 pages yet (issue 28): use the reference")
-    err = kernel_shape_error(q_latent.shape[-1], q_rope.shape[-1], kv_pages.shape)
+    err = kernel_shape_error(q_latent.shape[-1], q_rope.shape[-1], cache_widths(kv_pages))
     if err:
         raise ValueError(err)
+    if is_fp8_cache(kv_pages):  # the FP8-page kernel (mla_decode_fp8) computes in bf16
+        if kv_pages.latent.shape[-1] != LATENT_DIM:
+            raise ValueError(f"the FP8-page kernel needs latent width {LATENT_DIM}, got "
+                             f"{kv_pages.latent.shape}")
+        if q_latent.dtype != jnp.bfloat16 or q_rope.dtype != jnp.bfloat16:
+            raise ValueError(f"the FP8-page kernel takes bf16 queries, got {q_latent.dtype}, {q_rope.dtype}")
+        return
     if q_latent.dtype not in KERNEL_DTYPES or kv_pages.dtype != q_latent.dtype:
         raise ValueError(
             f"q_latent, q_rope and kv_pages must share a 16-bit float dtype, got {q_latent.dtype}, "

@@ -11,9 +11,10 @@ A chunk of T (padded) new tokens per sequence; token t sits at absolute position
 its latent is already written into the pages, so it attends causally to the cached prefix and the chunk
 (positions 0 .. start_pos[b] + t). Rows t >= chunk_lens[b] are padding: out 0, lse -inf. This is the
 absorbed form (scores over the 576-wide latent, values the 512-wide latent, W_uv applied afterwards by
-the caller); it reuses the decode kernel core in `mla_decode.py`, whose row tiles of (token, head)
-pairs visit only the pages at or below their last token, so causal skipping comes for free. Padding
-rows are masked inside the split merge (`mla_decode.merge_splits`), not by a separate op.
+the caller); it reuses the decode kernel core in `mla_decode.py` (`mla_decode_fp8.py` for FP8 pages),
+whose row tiles of (token, head) pairs visit only the pages at or below their last token, so causal
+skipping comes for free. Padding rows are masked inside the split merge (`mla_decode.merge_splits`),
+not by a separate op.
 
 `mla_chunk_attention` takes the same arguments for kernel and reference (decode is a chunk of T = 1 at
 start_pos = length - 1) and owns the dtype handling around each, so callers
@@ -27,6 +28,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.mla_common import as_4d, check_cache_args, check_chunk_query, is_fp8_cache
 from pallas_kernels.mla_decode import paged_mla_attention
+from pallas_kernels.mla_decode_fp8 import paged_mla_fp8_attention
 from pallas_kernels.mla_reference import mla_prefill_reference
 
 
@@ -50,7 +52,8 @@ def mla_prefill(
     check_cache_args(kv_pages, block_table, q_latent.shape[0], start_pos=start_pos, chunk_lens=chunk_lens)
     start_pos = start_pos.astype(jnp.int32)
     chunk_lens = chunk_lens.astype(jnp.int32)
-    return paged_mla_attention(
+    attend = paged_mla_fp8_attention if is_fp8_cache(kv_pages) else paged_mla_attention
+    return attend(
         q_latent, q_rope, kv_pages, block_table, start_pos, start_pos + chunk_lens,
         softmax_scale=softmax_scale, num_splits=num_splits, interpret=interpret, valid_queries=chunk_lens,
     )
@@ -74,7 +77,7 @@ def mla_chunk_attention(
     back in it); the reference computes in q_latent's dtype (q_rope and the cache are cast to it, so
     fp32 queries give an fp32 reference). Checking that the kernel can take the shapes is the caller's
     choice of `use_kernel` (`mla_common.kernel_shape_error`); the kernel raises if it cannot. An FP8
-    cache (uint8 rows, `mla_common`) is read as it is by both; the kernel then computes in bf16.
+    cache (`mla_common.Fp8Pages`) is read as it is by both: the kernel is then `mla_decode_fp8`'s, in bf16.
     """
     fp8 = is_fp8_cache(kv_pages)
     if use_kernel:

@@ -97,16 +97,17 @@ def mla_attention(q_latent: jax.Array, q_rope: jax.Array, kv_pages: Any, block_t
     q_latent [B, T, H, R], q_rope [B, T, H, r], kv_pages [P, page, R + r] or `mla_common.Fp8Pages`; token
     t of row b sits at start_pos[b] + t (its latent already in the pages); padding rows: t >= chunk_lens[b].
     Returns (out [B, T, H, R] before W_uv, lse [B, T, H]). The Pallas kernel needs DeepSeek's widths
-    (512 + 64), its page size (`mla_common.PAGE_SIZE`, = cache.PAGE_SIZE) and bf16; other shapes
-    use the reference (logged once). A ragged token batch calls this with one token per row (T = 1).
+    (512 + 64), its page size (`mla_common.PAGE_SIZE`, = cache.PAGE_SIZE) and a bf16 cache or FP8 pages
+    (`pallas_kernels.mla_decode_fp8`, issue 28); other shapes use the reference
+    (logged once). A ragged token batch calls this with one token per row (T = 1).
     `mla_prefill.mla_chunk_attention` owns the routing and the casts around kernel and reference.
     """
-    from pallas_kernels.mla_common import is_fp8_cache, kernel_shape_error
+    from pallas_kernels.mla_common import cache_widths, is_fp8_cache, kernel_shape_error
     from pallas_kernels.mla_prefill import mla_chunk_attention
 
-    fp8 = is_fp8_cache(kv_pages)  # no kernel reads the FP8 pages yet (issue 28): the reference does
-    fits = (not fp8 and kernel_shape_error(q_latent.shape[-1], q_rope.shape[-1], kv_pages.shape) is None
-            and kv_pages.dtype == jnp.bfloat16)
+    fp8 = is_fp8_cache(kv_pages)  # FP8 pages: the FP8-page kernel (pallas_kernels.mla_decode_fp8), in bf16
+    fits = (kernel_shape_error(q_latent.shape[-1], q_rope.shape[-1], cache_widths(kv_pages)) is None
+            and (kv_pages.latent.shape[-1] == q_latent.shape[-1] if fp8 else kv_pages.dtype == jnp.bfloat16))
     pallas = _pallas(backend)
     if pallas and not fits:
         _log_mla_shape_fallback(tuple(q_latent.shape[-1:]), "fp8 pages" if fp8 else str(kv_pages.dtype))
@@ -117,9 +118,5 @@ def mla_attention(q_latent: jax.Array, q_rope: jax.Array, kv_pages: Any, block_t
 
 @functools.cache
 def _log_mla_shape_fallback(latent: tuple[int, ...], dtype: str) -> None:
-    if dtype == "fp8 pages":  # measured 2026-12-05 (benchmarks/RESULTS.md): the cost is worth saying
-        log.warning("kernel dispatch: the MLA kernel takes no fp8 pages yet: an FP8 KV cache is read by the "
-                    "jnp reference attention (correct, ~6x the bf16 kernel's attention time on an H100)")
-        return
     log.warning("kernel dispatch: MLA kernel needs latent 512 + rope 64, 64-token pages, bf16; got "
                 "latent %s, %s: using the jnp reference", latent, dtype)
