@@ -3,8 +3,9 @@ kernel, correctness and GPU time, on one H200 in under 4 minutes; `--tiny` runs 
 
 Owns the measurement only. The FP8 side is what the model runs for an FP8 pool with the Pallas backend:
 `dsv3_jax.model.kernel_dispatch.mla_attention(..., backend="pallas")` (a decode step is a chunk of one token
-at start_pos = S - 1). The script reports which path that is (the FP8 kernel, or the logged jnp-reference
-fallback: `path` in the JSON), so the same command measures the kernel once dispatch routes FP8 pages to it.
+at start_pos = S - 1). The script reports which path that is (`fp8_path` in the JSON): "kernel", the FP8-page
+kernel `pallas_kernels.mla_decode_fp8` since dispatch routes FP8 pages to it, or the logged jnp-reference
+fallback (the path before, measured at 5.8-6.4x the bf16 kernel's time on an H100).
 The bf16 side is the product kernel (`pallas_kernels.mla_prefill.mla_chunk_attention(use_kernel=True)`)
 over the same values stored in bf16.
 

@@ -22,9 +22,12 @@ a dequantizing stage):
   K=512 from `kv_smem`, rope K=64 from the rope buffer), exchanges row maxima (`m_bar`) and bf16 P halves
   (`p_bar`), and accumulates its 256 output columns with P [64, 64] against its half of `kv_smem`.
 - Shared memory (bytes): Q 73,728 + e4m3 latent 2 x 32,768 + scales 2 x 1,024 + rope 8,192 + bf16
-  latent 65,536 + P halves 8,192 + maxima 512 + reduction scratch 1,024 = 224,768 (`smem_bytes()`), plus
-  10 barriers, of the 232,448 allowed. A second rope slot (232,960) does not fit; hence one, whose load
-  for page i + 1 overlaps page i's softmax, P V and the next dequantization.
+  latent 65,536 + P halves 8,192 + maxima 512 + reduction scratch 1,024 = 224,768 (`smem_bytes()`);
+  Mosaic's total with the 11 barriers and alignment is 225,368 of the 232,448 allowed (measured by the
+  CPU lowering test). A second rope slot (+8,192) does not fit; hence one, whose load for page i + 1
+  overlaps page i's softmax, P V and the next dequantization.
+- Dequantization loads whole 128-column blocks: a 64-column slice of the (8, 128)-tiled e4m3 buffer is
+  refused by Pallas (slices must be whole tiles).
 
 Interpret mode (CPU tests): as `mla_decode` (P staged through shared memory for the P V wgmma).
 """
