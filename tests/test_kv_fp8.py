@@ -319,9 +319,9 @@ def test_pallas_backend_reads_fp8_pages_with_the_fp8_kernel(caplog):
 
 
 def test_gpu_benchmark_runs_tiny_on_cpu(tmp_path):
-    """benchmarks/kv_fp8_gpu.py --tiny: the FP8 path the model runs (the FP8-page kernel) vs the fp32 reference
-    on the same FP8 pages within the script's bf16 bound, the bf16 kernel timed beside it, JSON written (the
-    GPU run of the same code is the lead's)."""
+    """benchmarks/kv_fp8_gpu.py --tiny: the FP8 path the model runs (the FP8-page kernel) vs the fp32
+    reference on the same FP8 pages within the script's bf16 bound, the bf16 kernel timed beside it, JSON
+    written (the GPU run of the same code is the lead's)."""
     import json
     import sys
     from pathlib import Path
