@@ -191,10 +191,14 @@ def kernel_shape_error(latent: int, rope: int, kv_shape: tuple[int, ...]) -> str
 
 
 def check_kernel_args(q_latent: jax.Array, q_rope: jax.Array, kv_pages: Any, block_table: jax.Array,
-                      **lengths: jax.Array) -> None:
+                      *, fp8_pages: bool = False, **lengths: jax.Array) -> None:
     """All checks the kernels make on [B, Q, H, D] queries before launching (`lengths` as in
-    `check_cache_args`). A value cache must share q's 16-bit dtype; `Fp8Pages` take bf16 queries."""
+    `check_cache_args`). A value-cache kernel (`fp8_pages=False`) takes a cache of q's 16-bit dtype; the
+    FP8-page kernel (`mla_decode_fp8`, `fp8_pages=True`) takes `Fp8Pages` and bf16 queries."""
     check_cache_args(kv_pages, block_table, q_latent.shape[0], **lengths)
+    if is_fp8_cache(kv_pages) != fp8_pages:
+        raise ValueError("FP8 pages go to the FP8-page kernel (mla_decode_fp8; mla_prefill routes them), a "
+                         f"value cache to mla_decode's; got {type(kv_pages).__name__}, fp8_pages={fp8_pages}")
     err = kernel_shape_error(q_latent.shape[-1], q_rope.shape[-1], cache_widths(kv_pages))
     if err:
         raise ValueError(err)

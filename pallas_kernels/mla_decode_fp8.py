@@ -287,7 +287,8 @@ def paged_mla_fp8_partials(
     and lse [B, S, R_pad] float32 split partials."""
     interpret = resolve_interpret(interpret)
     bsz, nq, nh, _ = q_latent.shape
-    check_kernel_args(q_latent, q_rope, kv_pages, block_table, q_start=q_start, kv_len=kv_len)
+    check_kernel_args(q_latent, q_rope, kv_pages, block_table, fp8_pages=True, q_start=q_start,
+                      kv_len=kv_len)
     if num_splits is not None and (not isinstance(num_splits, numbers.Integral) or num_splits < 1):
         raise ValueError(f"num_splits must be a positive int or None (automatic), got {num_splits!r}")
     row_tiles = pl.cdiv(nq * nh, BLOCK_ROWS)

@@ -139,6 +139,23 @@ def test_fp8_kernel_clamps_page_ids_like_the_reference():
     _check(out, lse, *_reference(ql, qr, pages, table, sp, cl), cl)
 
 
+def test_each_kernel_takes_only_its_cache():
+    """mla_decode's kernel refuses FP8 pages (it would misread them) and the FP8-page kernel a value cache;
+    mla_prefill routes each to its kernel (the tests above)."""
+    from pallas_kernels.mla_decode import paged_mla_partials
+
+    args = _fp8_args(2, 16, 256)
+    ql, qr, pages, table, sp, cl = (jnp.zeros(a.shape, a.dtype) if not isinstance(a, Fp8Pages) else
+                                    Fp8Pages(*(jnp.zeros(x.shape, x.dtype) for x in a)) for a in args)
+    with pytest.raises(ValueError, match="FP8 pages go to the FP8-page kernel"):
+        paged_mla_partials(ql, qr, pages, table, sp, cl, softmax_scale=SCALE,
+                           interpret=False)
+    values = jnp.zeros((pages.num_pages, PAGE_SIZE, LATENT_DIM + ROPE_DIM), jnp.bfloat16)
+    with pytest.raises(ValueError, match="FP8 pages go to the FP8-page kernel"):
+        mla_decode_fp8.paged_mla_fp8_partials(ql, qr, values, table, sp, cl,
+                                              softmax_scale=SCALE, interpret=False)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("h", [16, 128])
 @pytest.mark.parametrize("b,s", [(1, 32768), (64, 4096), (128, 4096), (128, 32768)])
