@@ -7,6 +7,8 @@ Owns `mla_prefill` and `mla_chunk_attention`. Signature (same as `mla_reference.
                 block_table [B, max_pages] int32, start_pos [B] int32, chunk_lens [B] int32,
                 *, softmax_scale, interpret=None, num_splits=None) -> (out [B, T, H, 512], lse [B, T, H])
 
+kv_pages may also be `mla_common.Fp8Pages` (then q must be bf16): the FP8-page kernel `mla_decode_fp8` runs.
+
 A chunk of T (padded) new tokens per sequence; token t sits at absolute position start_pos[b] + t and
 its latent is already written into the pages, so it attends causally to the cached prefix and the chunk
 (positions 0 .. start_pos[b] + t). Rows t >= chunk_lens[b] are padding: out 0, lse -inf. This is the
