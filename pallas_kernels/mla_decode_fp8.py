@@ -14,13 +14,15 @@ a dequantizing stage):
   dequantized it (`consumed_bars`); the rope buffer after both finished scoring (`rope_free`).
 - Consumers 0 and 1 each dequantize one column half of the page (latent blocks 2c, 2c + 1 for all 64
   tokens: a WGMMA-layout load of [64, 128] e4m3 times its scale row, which is a per-row vector there)
-  into ONE bf16 buffer `kv_smem` [64, 512], fence it for the async proxy (`commit_smem`) and meet at
+  into ONE bf16 buffer `kv_smem` [64, 512], fence it for the async proxy (`commit_smem`) and arrive at
   `deq_bar`. Consumer c's column half is exactly the V half its P V reads, so the single buffer needs no
   further barrier: before c overwrites its half with page i + 1 it has finished its own P V of page i,
   and the other consumer has finished its scores of page i (it passed page i's `m_bar`, as c did).
-- Then as v2: consumer c scores keys [32c, 32c + 32) with two wgmmas into one accumulator (latent
-  K=512 from `kv_smem`, rope K=64 from the rope buffer), exchanges row maxima (`m_bar`) and bf16 P halves
-  (`p_bar`), and accumulates its 256 output columns with P [64, 64] against its half of `kv_smem`.
+- Then as v2: consumer c scores keys [32c, 32c + 32), three asynchronous wgmmas into one accumulator:
+  its own latent half (K=256), the rope (K=64, after `rope_bar`), the other half (K=256, after waiting at
+  `deq_bar`, so that wait overlaps the first two products); it exchanges row maxima (`m_bar`) and bf16
+  P halves (`p_bar`), and accumulates its 256 output columns with P [64, 64] against its half of
+  `kv_smem`.
 - Shared memory (bytes): Q 73,728 + e4m3 latent 2 x 32,768 + scales 2 x 1,024 + rope 8,192 + bf16
   latent 65,536 + P halves 8,192 + maxima 512 + reduction scratch 1,024 = 224,768 (`smem_bytes()`);
   Mosaic's total with the 11 barriers and alignment is 225,368 of the 232,448 allowed (measured by the
@@ -193,11 +195,19 @@ def _kernel(
         cols = plgpu.broadcasted_iota(jnp.int32, (BLOCK_ROWS, HALF_PAGE), 1, layout=plgpu.Layout.WGMMA)
         p_stage = p_smem.at[half] if interpret else None
 
+        def qk_part(s_ref, col0: int, width: int, k_ref):
+            plgpu.wgmma(s_ref, q_smem.at[:, pl.ds(col0, width)], k_ref.at[pl.ds(key0, HALF_PAGE)].T)
+
         def scores():
+            # Own column half first (dequantized by this consumer), then the rope, then the other half once
+            # the other consumer has dequantized it: the wgmmas are asynchronous, so the wait at deq_bar
+            # overlaps the first two products.
             def qk(s_ref):
-                plgpu.wgmma(s_ref, q_smem.at[:, pl.ds(0, LATENT_DIM)], kv_smem.at[pl.ds(key0, HALF_PAGE)].T)
-                plgpu.wgmma(s_ref, q_smem.at[:, pl.ds(LATENT_DIM, ROPE_DIM)],
-                            rope_smem.at[pl.ds(key0, HALF_PAGE)].T)
+                qk_part(s_ref, half * HALF, HALF, kv_smem.at[:, pl.ds(half * HALF, HALF)])
+                plgpu.barrier_wait(rope_bar.at[0])
+                qk_part(s_ref, LATENT_DIM, ROPE_DIM, rope_smem)
+                plgpu.barrier_wait(deq_bar)
+                qk_part(s_ref, other * HALF, HALF, kv_smem.at[:, pl.ds(other * HALF, HALF)])
                 return s_ref[...]
 
             return pl.run_scoped(qk, plgpu.ACC((BLOCK_ROWS, HALF_PAGE), jnp.float32))
@@ -216,8 +226,6 @@ def _kernel(
             plgpu.commit_smem()  # visible to the wgmmas (async proxy) of both consumers
             plgpu.barrier_arrive(consumed_bars.at[slot])
             plgpu.barrier_arrive(deq_bar)
-            plgpu.barrier_wait(deq_bar)
-            plgpu.barrier_wait(rope_bar.at[0])
             s = scores()
             plgpu.barrier_arrive(rope_free)
             pos = (blk_lo + i) * PAGE_SIZE + key0 + cols
