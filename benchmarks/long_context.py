@@ -21,19 +21,31 @@ of priority (a wall-clock budget skips what no longer fits and says so; --tasks 
           during the long prefill against their p50 just before it (goal: p99 <= 2x), the long prompt's
           TTFT beside its TTFT alone, and the steps' token counts (the prefill attention cap at work:
           EngineConfig.prefill_attention_pairs, see dsv3_jax/engine/scheduler.py).
+  stallparts  (only when asked: --tasks stallparts) what one step of (b) is made of, without the 128K
+          prefill: the same engine's step program (`step.build` rows -> `Executor.execute`, the program
+          the engine runs) and, alone, its per-layer MLA attention call exactly as the ragged step issues
+          it (`engine_attention`), for a decode-only step (the decoders at --decode-ctx) and for mixed
+          steps (those rows plus one prefill chunk of C tokens at prefix P, --parts-cases "C@P,...", the
+          prefix's pages in the pool filled with random values); GPU time (benchmarks/device_time) and
+          host clock. The added step time beside the added attention time x layers shows the attention's
+          share of what a capped chunk adds to the decoders' step. Compiles only the step programs its
+          cases pick (two: a 32+8-token step still fits the 40-token decode program), no full warmup and
+          no rate measurements: ~2 min on one H100 (estimated; most of it weights and compiles).
 
-One engine serves both (a) and (b): warmed once (every step program compiled before the first request,
-compile time reported apart; a compile during a load is counted in its row), greedy, EOS off, prefix
-caching on (every prompt is fresh random tokens, so nothing hits). Timings use the engine's clock
+One engine serves (a), (b) and the parts: warmed once for (a) and (b) (every step program compiled
+before the first request, compile time reported apart; a compile during a load is counted in its row),
+greedy, EOS off, prefix caching on (every prompt is fresh random tokens, so nothing hits). Timings use the engine's clock
 (compile time excluded). Prints a short table last; details go to the JSON (--out).
 
     python3 benchmarks/long_context.py --out $OUT/long_context.json            # one H200, <= 5 min
     python3 benchmarks/long_context.py --tiny --out /tmp/long_context.json     # CPU, toy sizes
+    python3 benchmarks/long_context.py --tasks stallparts --token-buckets 128,512 --out $OUT/parts.json
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -51,9 +63,12 @@ import e2e_bench  # noqa: E402  (the slice, its weights, floors and rates)
 from engine_bench import timed_warmup  # noqa: E402
 
 from dsv3_jax.api import ModelHandle  # noqa: E402
+from dsv3_jax.engine import step  # noqa: E402
 from dsv3_jax.engine.core import Engine, EngineConfig  # noqa: E402
-from dsv3_jax.engine.scheduler import attention_pairs  # noqa: E402
-from dsv3_jax.model import kv_cache  # noqa: E402
+from dsv3_jax.engine.executor import batch_shards  # noqa: E402
+from dsv3_jax.engine.scheduler import attention_pairs, chunk_tokens_within  # noqa: E402
+from dsv3_jax.model import kernel_dispatch, kv_cache, layout  # noqa: E402
+from dsv3_jax.model.kv_cache import PageMeta, absorbed_leaves, absorbed_pages, layer_view  # noqa: E402
 from pallas_kernels.mla_prefill import mla_chunk_attention  # noqa: E402
 
 ABSORBED, NAIVE = 576 + 512, 192 + 128  # per-head widths of QK + PV in each MLA form
@@ -270,8 +285,188 @@ def sec_stall(args, res: dict, eng: Engine, cfg, rng, left) -> None:
     print("stall", out, flush=True)
 
 
+# ------------------------------------------------------------------------------------------ stallparts
+def parse_cases(spec: str) -> list[tuple[int, int]]:
+    """--parts-cases "C@P,..." -> [(chunk tokens C, prefix P)]."""
+    out = []
+    for item in (x for x in spec.split(",") if x.strip()):
+        c, p = item.split("@")
+        out.append((int(c), int(p)))
+    return out
+
+
+def stallparts_rows(a, vocab: int) -> dict[str, list[step.RowPlan]]:
+    """The rows of each step of the parts, as the scheduler hands them to `step.build`: "decode" is
+    a.decoders decode rows (1 token at position a.decode_ctx, pipelined: the input token is the one the
+    previous step sampled, read on device from the row's slot); "C@P" is those rows, then (decode rows
+    first, as the scheduler orders them) one prefill row of C prompt tokens at positions P .. P + C - 1
+    that is not the prompt's last chunk. Decoder i owns the pages 1 + i*n .. (i+1)*n, the long row the
+    run after them, each as many as the engine would have allocated (the pages up to its last token)."""
+    rng = np.random.default_rng(7)
+    ps = kv_cache.PAGE_SIZE
+    per = kv_cache.pages_for(a.decode_ctx + 1, ps)
+    cases = parse_cases(a.parts_cases)
+    base = 1 + a.decoders * per
+    long_pages = list(range(base, base + kv_cache.pages_for(max((p + c for c, p in cases), default=1), ps)))
+
+    def plan(rid: int, start: int, n: int, pages: list[int], **kw) -> step.RowPlan:
+        return step.RowPlan(rid=rid, slot=rid, start=start, n=n, ndraft=0, pages=pages, temperature=0.0,
+                            top_p=1.0, top_k=0, seed=0, **kw)
+
+    dec = [plan(i, a.decode_ctx, 1, list(range(1 + i * per, 1 + (i + 1) * per)), tokens=[], pending_last=True,
+                final=True, hint=0, counter=16, prompt_len=a.decode_ctx - 16) for i in range(a.decoders)]
+    out = {"decode": dec}
+    for c, p in cases:
+        toks = rng.integers(2, vocab, c + 1).tolist()
+        out[f"{c}@{p}"] = dec + [plan(a.decoders, p, c, long_pages[:kv_cache.pages_for(p + c, ps)],
+                                      tokens=toks[:c], pending_last=False, final=False, hint=toks[c],
+                                      counter=0, prompt_len=p + c + 1)]
+    return out
+
+
+def engine_attention(stack: dict, tok_table: jax.Array, positions: jax.Array, valid: jax.Array,
+                     q_lat: jax.Array, q_pe: jax.Array, layer: jax.Array, *, softmax_scale: float,
+                     backend: str) -> jax.Array:
+    """One layer's MLA attention exactly as the engine's ragged step issues it (model/attention.py, the
+    absorbed form over the paged cache, one batch shard): every flat token is a kernel row (B = N, T = 1)
+    with its row's page table (`tok_table` [N, W] = step.py's table[row_of], built once per step, so not
+    here), start = its position, chunk_lens = valid (padding tokens: 0), q [N, 1, H, 512 | 64] in the
+    compute dtype, over layer `layer` of a scanned stack's pool through `layer_view` (the flat pages,
+    the table's ids offset by layer x pages), through `kernel_dispatch.mla_attention`. Returns the
+    latent output before W_uv."""
+    meta = PageMeta(tok_table, valid)
+    flat = {}
+    for name in absorbed_leaves(stack):
+        flat[name], lmeta = layer_view(stack[name], meta, layer)
+    out, _ = kernel_dispatch.mla_attention(q_lat, q_pe.astype(q_lat.dtype), absorbed_pages(flat),
+                                           lmeta.block_table, positions, lmeta.chunk_lens,
+                                           softmax_scale=softmax_scale, backend=backend)
+    return out
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _fill_random(cache: dict, pages: jax.Array, key: jax.Array) -> dict:
+    """Random values in `pages` of every cache leaf (every layer): what the attention reads is not zeros
+    (tensor-core power, and so the clock, depends on the data)."""
+    leaves, tree = jax.tree_util.tree_flatten_with_path(cache)
+    out = []
+    for i, (path, x) in enumerate(leaves):
+        stacked = getattr(path[0], "key", None) in layout.STACKS
+        shape = (x.shape[0], pages.shape[0], *x.shape[2:]) if stacked else (pages.shape[0], *x.shape[1:])
+        v = jax.random.normal(jax.random.fold_in(key, i), shape, jnp.bfloat16) * 0.5
+        v = (jnp.abs(v) if x.dtype == jnp.float32 else v).astype(x.dtype)  # FP8 scales stay positive
+        out.append(x.at[:, pages].set(v) if stacked else x.at[pages].set(v))
+    return jax.tree_util.tree_unflatten(tree, out)
+
+
+def _gpu_time(fn, args: tuple, calls: int) -> dict:
+    """benchmarks/device_time on a GPU; {} elsewhere (the CPU trace has no device plane)."""
+    if jax.default_backend() != "gpu":
+        return {}
+    from device_time import jax_device_time
+
+    try:
+        d = jax_device_time(fn, args, calls=calls)
+    except Exception as e:  # noqa: BLE001 - keep the host-clock figures
+        return {"gpu_error": repr(e)[:300]}
+    return {"gpu_ms": d["median_ms"], "gpu_min_ms": d["min_ms"], "gpu_max_ms": d["max_ms"],
+            "kernel_totals": d["kernel_totals"]}
+
+
+def _kernel_deltas(base: dict, other: dict, n: int = 10) -> list[dict]:
+    """The kernels whose GPU time per step differs most between two step measurements (by name; note
+    that Mosaic GPU names every Pallas kernel alike: MLA, FP8 GEMMs and grouped GEMMs share one name)."""
+    kb, ko = base.get("kernel_totals", {}), other.get("kernel_totals", {})
+    rows = [{"name": k, "ms_base": kb.get(k, {}).get("ms_per_call", 0.0), "ms": ko.get(k, {}).get("ms_per_call", 0.0),
+             "launches_base": kb.get(k, {}).get("launches_per_call", 0.0),
+             "launches": ko.get(k, {}).get("launches_per_call", 0.0)} for k in sorted({*kb, *ko})]
+    for r in rows:
+        r["delta_ms"] = r["ms"] - r["ms_base"]
+    return sorted(rows, key=lambda r: -abs(r["delta_ms"]))[:n]
+
+
+def sec_stallparts(args, res: dict, eng: Engine, cfg, left) -> None:
+    """The parts of one step of (b) (module docstring): per case the attention call alone (per layer) and
+    the whole step program, GPU time and host clock."""
+    t0 = time.perf_counter()
+    ex = eng.executor
+    rows = stallparts_rows(args, cfg.vocab_size)
+    batches = {name: step.build(r, spec_k=eng.cfg.spec_k, shapes=eng.shapes, width=eng.width, logprobs=False,
+                                num_shards=batch_shards(eng.handle), scratch_slot=eng.cfg.max_batch,
+                                mask_words=eng.mask_words) for name, r in rows.items()}
+    keys = sorted({b.key for b in batches.values()})
+    # The engine's own compile path (both programs on parallel threads; nothing if a warmup did it).
+    compile_s = ex.warmup(keys)
+    pages = sorted({p for r in rows.values() for row in r for p in row.pages})
+    if pages[-1] >= eng.cfg.num_pages:
+        raise ValueError(f"the parts need pages up to {pages[-1]} but the pool has {eng.cfg.num_pages}: "
+                         f"shorter --parts-cases prefixes or a longer --lengths")
+    ex.cache = _fill_random(ex.cache, jnp.asarray(pages, jnp.int32), jax.random.key(3))
+    stack_name = layout.MOE_LAYERS if layout.MOE_LAYERS in ex.cache else layout.DENSE_LAYERS
+    layer = jnp.int32(min(1, ex.cache[stack_name][absorbed_leaves(ex.cache[stack_name])[0]].shape[0] - 1))
+    backend = eng.handle.model.trace_options.kernels
+    attend = jax.jit(functools.partial(engine_attention, softmax_scale=cfg.softmax_scale, backend=backend))
+    dt = jnp.dtype(cfg.dtype)
+    h, r_lat, r_rope = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    out: dict = {"layers": cfg.num_hidden_layers, "heads": h, "kernels": backend, "decoders": args.decoders,
+                 "decode_ctx": args.decode_ctx, "page_table_width": eng.width,
+                 "prefill_attention_pairs": eng.cfg.prefill_attention_pairs,
+                 "attention_layer": f"{stack_name}[{int(layer)}]",
+                 "programs": [list(k[:2]) for k in keys], "compile_s": compile_s, "cases": []}
+    res["stallparts"] = out
+    base = None
+    for name, sb in batches.items():
+        if left() < 10:
+            res["skipped"].append(f"stallparts {name}")
+            continue
+        v = {f: sb.view(f) for f in ("table", "row_of", "positions", "valid")}
+        n = sb.key.tokens
+        k1, k2 = jax.random.split(jax.random.key(n))
+        q_lat = jax.random.normal(k1, (n, 1, h, r_lat), dt)
+        q_pe = jax.random.normal(k2, (n, 1, h, r_rope), dt)
+        att_args = (ex.cache[stack_name], jnp.asarray(v["table"][v["row_of"]]), jnp.asarray(v["positions"]),
+                    jnp.asarray(v["valid"]), q_lat, q_pe, layer)
+        row: dict = {"case": name, "rows": len(sb.rows), "tokens": sb.n_scheduled,
+                     "program": [sb.key.tokens, sb.key.rows]}
+        if name != "decode":
+            c, p = parse_cases(name)[0]
+            row.update(chunk=c, prefix=p, chunk_pairs=attention_pairs(p, c),
+                       cap_chunk_at_prefix=chunk_tokens_within(p, eng.cfg.prefill_attention_pairs))
+        try:
+            att = {**e2e_bench.timeit(functools.partial(attend, *att_args), args.reps),
+                   **_gpu_time(attend, att_args, args.parts_calls)}
+            att.pop("kernel_totals", None)
+            row["attention"] = att
+        except Exception as e:  # noqa: BLE001 - record and keep measuring
+            row["attention_error"] = repr(e)[:400]
+        del att_args  # holds the cache the step below donates
+        ints, floats = jnp.asarray(sb.ints), jnp.asarray(sb.floats)  # on device once: no copy in the loop
+        call = functools.partial(ex.execute, sb.key, ints, floats)  # the engine's dispatch of this step
+        try:
+            row["step"] = {**e2e_bench.timeit(call, args.reps), **_gpu_time(call, (), args.parts_calls)}
+        except Exception as e:  # noqa: BLE001 - record and keep measuring
+            row["step_error"] = repr(e)[:400]
+        if name == "decode":
+            base = row
+        elif base is not None and "step" in row and "step" in base:
+            row["top_kernel_deltas"] = _kernel_deltas(base["step"], row["step"])
+            # Added over the decode-only step: the whole step, and the attention call x layers.
+            for clock in ("gpu_ms", "median_ms"):
+                a, a0 = row.get("attention", {}).get(clock), base.get("attention", {}).get(clock)
+                st, st0 = row["step"].get(clock), base["step"].get(clock)
+                if None not in (a, a0, st, st0):
+                    row[f"added_{clock}"] = {"step": st - st0, "attention_x_layers": (a - a0) * cfg.num_hidden_layers}
+        out["cases"].append(row)
+        print("stallparts", name, {part: {k: x for k, x in row.get(part, {}).items() if k != "kernel_totals"}
+                                   for part in ("attention", "step")}, flush=True)
+    for row in out["cases"]:
+        row.get("step", {}).pop("kernel_totals", None)
+    out["s"] = time.perf_counter() - t0
+
+
 # ------------------------------------------------------------------------------------------ main
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, with --tiny's toy sizes applied."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tiny", action="store_true", help="CPU run at toy sizes (tests/test_long_context.py)")
     ap.add_argument("--moe-layers", type=int, default=4)
@@ -291,9 +486,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--token-buckets", default="512",
                     help="mixed-step token capacities below --max-batched-tokens (a capped step with decode rows "
                          "runs the smallest that holds it: 128 keeps a 32-decoder + ~20-token step small)")
+    ap.add_argument("--parts-cases", default="22@131072,15@131072,8@131072,1@131072,22@4096",
+                    help="stallparts: mixed steps, each the decoders + one chunk of C tokens at prefix P (C@P): "
+                         "22 is (b)'s median chunk under the default cap, 15 the cap's chunk at 128K, 8 about "
+                         "the chunk under half the cap; 1 and a short prefix separate the step's shape from the "
+                         "long prefix")
+    ap.add_argument("--parts-calls", type=int, default=20, help="stallparts: calls per GPU-time trace")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--budget-s", type=float, default=285.0, help="skip what no longer fits after this")
-    ap.add_argument("--tasks", default="kernel,long,stall")
+    ap.add_argument("--tasks", default="kernel,long,stall", help="kernel, long, stall, stallparts (comma-separated)")
     ap.add_argument("--out", type=Path, default=Path("long_context.json"))
     a = ap.parse_args(argv)
     if a.tiny:  # toy sizes for the CPU test, same code paths (the jnp reference instead of Pallas)
@@ -301,10 +502,30 @@ def main(argv: list[str] | None = None) -> int:
         a.stall_len, a.baseline_s, a.kernel_prefix, a.kernel_chunks, a.heads = 384, 0.2, 256, "32,64", 16
         a.chunk_size, a.max_batched_tokens, a.reps, a.budget_s, a.moe_layers = 128, 128, 1, 1e9, 1
         a.prefill_attention_pairs = min(a.prefill_attention_pairs, 4096)
+        a.parts_cases = "22@384,1@384,22@64"
     a.kernel_chunks = [int(c) for c in str(a.kernel_chunks).split(",")]
+    return a
+
+
+def engine_config(a: argparse.Namespace) -> EngineConfig:
+    """The one engine configuration of every section: a pool for the decoders' whole budgets and two of the
+    longest prompt, room for 8 more rows than the decoders, the chunking and buckets of the command line."""
+    ps = kv_cache.PAGE_SIZE
+    longest = max([int(x) for x in a.lengths.split(",")] + [a.stall_len]) + a.new
+    pages = (a.decoders * -(-(a.decode_ctx + a.decoder_new) // ps) + 2 * -(-longest // ps) + 8)
+    return EngineConfig(num_pages=pages, max_batch=a.decoders + 8, max_batched_tokens=a.max_batched_tokens,
+                        chunk_size=a.chunk_size, prefill_attention_pairs=a.prefill_attention_pairs,
+                        row_buckets=(a.decoders + 8,) if a.tiny else (1,),
+                        token_buckets=() if a.tiny else tuple(int(t) for t in a.token_buckets.split(",") if t))
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
     t_start = time.perf_counter()
     left = lambda: a.budget_s - (time.perf_counter() - t_start)  # noqa: E731
     tasks = set(a.tasks.split(","))
+    # stallparts alone needs neither the ceilings nor every program compiled (it compiles its own two).
+    full_engine = bool(tasks & {"long", "stall"}) or "stallparts" not in tasks
     res: dict = {"device": str(jax.devices()[0].device_kind), "date": time.strftime("%Y-%m-%d"),
                  "command": " ".join(sys.argv), "skipped": []}
 
@@ -323,22 +544,27 @@ def main(argv: list[str] | None = None) -> int:
     res["config"] = {"layers": cfg.num_hidden_layers, "moe_layers": cfg.n_moe_layers,
                      "context": cfg.max_position_embeddings, "weights": "fp8",
                      "weight_gb": sum(x.nbytes for x in jax.tree_util.tree_leaves(params)) / 1e9}
-    # Ceilings measured here (the DESIGN's figures stand in on CPU, where they mean nothing).
-    res["copy_bw"] = 4.11e12 if a.tiny else e2e_bench.copy_bandwidth()
-    res["fp8_flops"] = 1285e12 if a.tiny else e2e_bench.fp8_rate()
-    res["bf16_flops"] = 743e12 if a.tiny else e2e_bench.bf16_rate()
+    if full_engine:
+        # Ceilings measured here (the DESIGN's figures stand in on CPU, where they mean nothing).
+        res["copy_bw"] = 4.11e12 if a.tiny else e2e_bench.copy_bandwidth()
+        res["fp8_flops"] = 1285e12 if a.tiny else e2e_bench.fp8_rate()
+        res["bf16_flops"] = 743e12 if a.tiny else e2e_bench.bf16_rate()
     handle = ModelHandle(cfg, params)
-    ps = kv_cache.PAGE_SIZE
-    longest = max(lengths + [a.stall_len]) + a.new
-    pages = (a.decoders * -(-(a.decode_ctx + a.decoder_new) // ps) + 2 * -(-longest // ps) + 8)
-    ecfg = EngineConfig(num_pages=pages, max_batch=a.decoders + 8, max_batched_tokens=a.max_batched_tokens,
-                        chunk_size=a.chunk_size, prefill_attention_pairs=a.prefill_attention_pairs,
-                        row_buckets=(a.decoders + 8,) if a.tiny else (1,),
-                        token_buckets=() if a.tiny else tuple(int(t) for t in a.token_buckets.split(",") if t))
+    ecfg = engine_config(a)
     eng = Engine(handle, ecfg)
     res["engine_config"] = {k: (list(v) if isinstance(v, tuple) else v) for k, v in ecfg.__dict__.items()}
-    res["warmup"] = timed_warmup_greedy(eng)
+    if full_engine:
+        res["warmup"] = timed_warmup_greedy(eng)
     save()
+    if "stallparts" in tasks:
+        if left() < 30:
+            res["skipped"].append("stallparts")
+        else:
+            try:
+                sec_stallparts(a, res, eng, cfg, left)
+            except Exception as e:  # noqa: BLE001 - record it
+                res["stallparts_error"] = repr(e)[:400]
+        save()
     rng = np.random.default_rng(0)
     # (a) below the stall's long prompt first (their TTFTs size what fits), then (b), then the rest of (a).
     first = [n for n in lengths if n < a.stall_len]
@@ -383,17 +609,21 @@ def timed_warmup_greedy(eng: Engine) -> dict:
 
 
 def report(res: dict) -> None:
-    print(f"\ndevice {res['device']}  copy {res['copy_bw'] / 1e9:.0f} GB/s  fp8 {res['fp8_flops'] / 1e12:.0f} / "
-          f"bf16 {res['bf16_flops'] / 1e12:.0f} TFLOP/s  warmup {res['warmup']['s']:.0f} s "
-          f"({res['warmup']['compiles']} programs)  total {res['total_s']:.0f} s")
+    if "warmup" in res:
+        print(f"\ndevice {res['device']}  copy {res['copy_bw'] / 1e9:.0f} GB/s  fp8 {res['fp8_flops'] / 1e12:.0f} / "
+              f"bf16 {res['bf16_flops'] / 1e12:.0f} TFLOP/s  warmup {res['warmup']['s']:.0f} s "
+              f"({res['warmup']['compiles']} programs)  total {res['total_s']:.0f} s")
+    else:  # stallparts alone: no ceilings measured, no full warmup
+        print(f"\ndevice {res['device']}  total {res['total_s']:.0f} s")
     for k in res.get("kernel", []):
         o, t = k.get("ours", {}), k.get("torch_sdpa_naive", {})
         print(f"(c) chunk {k['chunk']:>5} over {k['prefix']:,}: ours {o.get('median_ms', float('nan')):8.2f} ms "
               f"{o.get('tflops', float('nan')):6.1f} TF/s | torch SDPA naive {t.get('median_ms', float('nan')):8.2f} ms "
               f"{t.get('tflops', float('nan')):6.1f} TF/s | ours/torch time {k.get('time_ours_over_torch', float('nan')):.2f}"
               + (f"  {k.get('ours_error', '')}{k.get('torch_error', '')}"[:120] if "ours" not in k or not t else ""))
-    print(f"{'(a) prompt':>10} {'TTFT s':>8} {'floor s':>8} {'share':>6} {'ITL ms':>7} {'floor':>6} {'ratio':>6} "
-          f"{'compiles':>8}")
+    if "long" in res or "warmup" in res:
+        print(f"{'(a) prompt':>10} {'TTFT s':>8} {'floor s':>8} {'share':>6} {'ITL ms':>7} {'floor':>6} {'ratio':>6} "
+              f"{'compiles':>8}")
     for r in res.get("long", []):
         if "error" in r:
             print(f"{r['prompt']:>10} error {r['error'][:100]}")
@@ -411,6 +641,38 @@ def report(res: dict) -> None:
     if "stall_error" in res:
         print("(b) error:", res["stall_error"][:200])
     print("skipped:", res["skipped"])
+    report_parts(res)
+
+
+def report_parts(res: dict) -> None:
+    """The stallparts table (GPU ms where a GPU measured them, else the host clock's, marked)."""
+    p = res.get("stallparts")
+    if "stallparts_error" in res:
+        print("stallparts error:", res["stallparts_error"][:300])
+    if not p:
+        return
+    n = p["layers"]
+    gpu = any("gpu_ms" in c.get("step", {}) for c in p["cases"])
+    clock = "gpu_ms" if gpu else "median_ms"
+    print(f"stallparts: {p['decoders']} decoders at {p['decode_ctx']} (+ one chunk C@P), {n} layers, H={p['heads']}, "
+          f"{p['kernels']} kernels, page table {p['page_table_width']} pages, programs {p['programs']}, compile "
+          f"{p['compile_s']:.0f} s; times are {'GPU (profiler)' if gpu else 'HOST CLOCK (no GPU)'} ms, wall = host "
+          f"clock around a blocking call")
+    print(f"{'case':>10} {'rows':>4} {'tok/prog':>8} {'attn/layer':>10} {f'x{n} layers':>10} {'step':>8} "
+          f"{'step wall':>9} {'+step':>7} {f'+attn x{n}':>9} {'attn share':>10}")
+    for c in p["cases"]:
+        att, st, add = c.get("attention", {}), c.get("step", {}), c.get(f"added_{clock}", {})
+
+        def f(x: float | None, w: int) -> str:
+            return f"{x:>{w}.2f}" if x is not None else f"{'-':>{w}}"
+
+        a, d_step, d_att = att.get(clock), add.get("step"), add.get("attention_x_layers")
+        share = d_att / d_step if d_step and d_att is not None else None  # of the step's added time
+        print(f"{c['case']:>10} {c['rows']:>4} {c['tokens']:>4}/{c['program'][0]:<4}{f(a, 10)} "
+              f"{f(a * n if a is not None else None, 10)} {f(st.get(clock), 8)} {f(st.get('median_ms'), 9)} "
+              f"{f(d_step, 7)} {f(d_att, 9)} {f(share, 10)}"
+              + (f"  {c.get('attention_error', '')}{c.get('step_error', '')}"[:160]
+                 if "attention_error" in c or "step_error" in c else ""))
 
 
 if __name__ == "__main__":

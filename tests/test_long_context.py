@@ -1,6 +1,7 @@
 """Long context in the engine: the prefill-attention cap that keeps decoders' steps short while a long
 prompt prefills (scheduler.py), the incremental prefix-cache hashes a long prefill publishes, and the
-GPU script benchmarks/long_context.py run end to end at toy sizes."""
+GPU script benchmarks/long_context.py run end to end at toy sizes (its stallparts task too, whose
+attention call is also lowered for Hopper at the GPU run's shapes)."""
 
 from __future__ import annotations
 
@@ -172,9 +173,8 @@ def test_the_plans_concurrency_is_what_the_engine_runs_before_preempting():
             assert eng.stats["preemptions"] > before
 
 
-def test_long_context_benchmark_runs_end_to_end_at_toy_sizes(tmp_path):
-    """benchmarks/long_context.py --tiny: every section on CPU (reference kernels), the GPU run's code."""
-    import json
+def _long_context():
+    """benchmarks/long_context.py as a module (it imports its neighbours from benchmarks/)."""
     import sys
     from pathlib import Path
 
@@ -184,6 +184,14 @@ def test_long_context_benchmark_runs_end_to_end_at_toy_sizes(tmp_path):
         import long_context
     finally:
         sys.path.remove(str(bench))
+    return long_context
+
+
+def test_long_context_benchmark_runs_end_to_end_at_toy_sizes(tmp_path):
+    """benchmarks/long_context.py --tiny: every section on CPU (reference kernels), the GPU run's code."""
+    import json
+
+    long_context = _long_context()
     out = tmp_path / "lc.json"
     assert long_context.main(["--tiny", "--out", str(out)]) == 0
     res = json.loads(out.read_text())
@@ -198,3 +206,78 @@ def test_long_context_benchmark_runs_end_to_end_at_toy_sizes(tmp_path):
     assert s["itl_p99_during_ms"] >= s["itl_p50_during_ms"] > 0
     # The cap cut the long prompt's chunks below chunk_size while the decoders ran.
     assert s["long_chunk_tokens"]["last"] < s["chunk_size"]
+
+
+def test_stallparts_runs_at_toy_sizes(tmp_path):
+    """--tiny --tasks stallparts: the decode-only step and each mixed case, the attention call alone and the
+    engine's step program, timed (host clock on CPU) without a full warmup; no other section runs."""
+    import json
+
+    long_context = _long_context()
+    out = tmp_path / "parts.json"
+    assert long_context.main(["--tiny", "--tasks", "stallparts", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert "stallparts_error" not in res and not res["skipped"]
+    assert "kernel" not in res and "long" not in res and "stall" not in res and "warmup" not in res
+    p = res["stallparts"]
+    assert p["layers"] == res["config"]["layers"] == 2
+    cases = {c["case"]: c for c in p["cases"]}
+    assert list(cases) == ["decode", "22@384", "1@384", "22@64"]
+    for c in cases.values():
+        assert "attention_error" not in c and "step_error" not in c
+        assert c["attention"]["median_ms"] > 0 and c["step"]["median_ms"] > 0
+        assert "added_median_ms" in c or c["case"] == "decode"
+    assert cases["decode"]["rows"] == 2 and cases["decode"]["tokens"] == 2
+    m = cases["22@384"]
+    assert m["rows"] == 3 and m["tokens"] == 24 and m["chunk_pairs"] == 22 * 384 + 22 * 23 // 2
+    # The mixed step runs the larger program, a one-token chunk still fits the decode program.
+    assert m["program"][0] > cases["decode"]["program"][0] == cases["1@384"]["program"][0]
+    assert {tuple(x) for x in p["programs"]} == {tuple(c["program"]) for c in p["cases"]}
+
+
+def test_stallparts_attention_lowers_for_hopper_at_real_shapes(monkeypatch):
+    """The attention call stallparts times (`engine_attention`: the engine's per-layer MLA call), lowered for
+    CUDA with the compiled Mosaic GPU kernel at the GPU run's shapes: the FP8 slice (128 heads, 512 + 64),
+    its engine's page table (2,560 pages) and pool, the decode program's 40 and the mixed program's 128
+    token rows, built from the same rows (a 131,072-token prefix: 2,049 pages in the long row)."""
+    import functools
+    import importlib
+
+    import jax
+    import jax.numpy as jnp
+
+    from dsv3_jax.engine import step
+    from dsv3_jax.model import kv_cache
+
+    lc = _long_context()
+    a = lc.parse_args(["--tasks", "stallparts", "--lengths", "131072", "--token-buckets", "128,512"])
+    cfg = lc.e2e_bench.slice_config(a.moe_layers, False)
+    ecfg = lc.engine_config(a)
+    # The engine's step shapes and page-table width (core.Engine, executor.DeviceExecutor), nothing allocated.
+    shapes = step.StepShapes.make(max_rows=ecfg.max_batch, max_tokens=ecfg.max_batched_tokens, spec_k=0,
+                                  decode_rows=ecfg.row_buckets, token_caps=ecfg.token_buckets)
+    width = -(-min(ecfg.num_pages - 1, kv_cache.pages_for(cfg.max_position_embeddings)) // 8) * 8
+    assert width == 2560
+    # Off the GPU `interpret=None` means Pallas' interpreter: lower the compiled kernel instead.
+    for mod in ("mla_decode", "mla_decode_fp8"):  # the modules (the package exports functions of these names)
+        monkeypatch.setattr(importlib.import_module(f"pallas_kernels.{mod}"), "resolve_interpret",
+                            lambda interpret: False)
+    sds = jax.ShapeDtypeStruct
+    i32, bf16, h = jnp.int32, jnp.bfloat16, cfg.num_attention_heads
+    stack = {"pages": sds((a.moe_layers, ecfg.num_pages, kv_cache.PAGE_SIZE, cfg.latent_dim), bf16)}
+    f = jax.jit(functools.partial(lc.engine_attention, softmax_scale=cfg.softmax_scale, backend="pallas"))
+    lowered = set()
+    for name, rows in lc.stallparts_rows(a, cfg.vocab_size).items():
+        sb = step.build(rows, spec_k=0, shapes=shapes, width=width, logprobs=False,
+                        scratch_slot=ecfg.max_batch)
+        if name == "22@131072":
+            assert len(rows[-1].pages) == 2049 and sb.key.tokens == 128
+        n = sb.key.tokens
+        if n in lowered:
+            continue
+        text = f.trace(stack, sds((n, width), i32), sds((n,), i32), sds((n,), i32),
+                       sds((n, 1, h, cfg.kv_lora_rank), bf16), sds((n, 1, h, cfg.qk_rope_head_dim), bf16),
+                       sds((), i32)).lower(lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text, f"{name}: no Mosaic GPU kernel in the lowered attention"
+        lowered.add(n)
+    assert lowered == {40, 128}
