@@ -111,6 +111,16 @@ def smem_bytes(interpret: bool = False) -> int:
     return REDUCTION_SCRATCH_BYTES + sum(jnp.dtype(v.dtype).itemsize * math.prod(v.shape) for v in bufs)
 
 
+def _dequantize_half(lat, sc, kv, half: int) -> None:
+    """Consumer `half`'s column half (its V half) of one page: kv[:, blocks] = bf16(f32(lat) * scale) for
+    latent blocks 2 half, 2 half + 1 (lat [64, 512] e4m3, sc [4, 64] f32 of one ring slot)."""
+    for j in range(half * BLOCKS_PER_HALF, (half + 1) * BLOCKS_PER_HALF):
+        x = plgpu.load(lat.at[:, pl.ds(FP8_BLOCK * j, FP8_BLOCK)], layout=plgpu.Layout.WGMMA, optimized=False)
+        s = plgpu.load(sc.at[j], layout=_ROW_LAYOUT)
+        x = x.astype(jnp.float32) * lax.broadcast_in_dim(s, x.shape, [0])
+        kv.at[:, pl.ds(FP8_BLOCK * j, FP8_BLOCK)][...] = x.astype(kv.dtype)
+
+
 def _pv(acc, p16, v, p_stage, interpret: bool):
     """acc + P V, P [64, 64] from registers; the interpreter takes a wgmma A operand only from shared
     memory, so there P goes through `p_stage` first (as mla_decode)."""
@@ -216,13 +226,7 @@ def _kernel(
             acc, m_i, l_i = carry
             slot = lax.rem(i, NUM_SLOTS)
             plgpu.barrier_wait(k_bars.at[slot])
-            # Dequantize this consumer's column half (its V half) of the page into the bf16 buffer.
-            for j in range(half * BLOCKS_PER_HALF, (half + 1) * BLOCKS_PER_HALF):
-                x = plgpu.load(lat_smem.at[slot, :, pl.ds(FP8_BLOCK * j, FP8_BLOCK)],
-                               layout=plgpu.Layout.WGMMA, optimized=False)
-                sc = plgpu.load(sc_smem.at[slot, j], layout=_ROW_LAYOUT)
-                x = x.astype(jnp.float32) * lax.broadcast_in_dim(sc, x.shape, [0])
-                kv_smem.at[:, pl.ds(FP8_BLOCK * j, FP8_BLOCK)][...] = x.astype(kv_smem.dtype)
+            _dequantize_half(lat_smem.at[slot], sc_smem.at[slot], kv_smem, half)
             plgpu.commit_smem()  # visible to the wgmmas (async proxy) of both consumers
             plgpu.barrier_arrive(consumed_bars.at[slot])
             plgpu.barrier_arrive(deq_bar)
