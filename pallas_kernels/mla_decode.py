@@ -102,13 +102,13 @@ def choose_num_splits(batch: int, row_tiles: int, max_pages: int, num_sms: int =
 
 
 LONG_ROW_PAGES = 128  # a row is long when one of its splits would walk more pages than this (8K tokens)
-LONG_SPLITS = 3  # extra splits a long row may get: its pages shared by up to num_splits + 3 CTAs a tile
+LONG_SPLITS = 3  # long CTAs per long-row slot: the plan's long_rows x 3 long CTAs are shared by the long rows
 
 
 class SplitPlan(NamedTuple):
     """The static split layout of one kernel call (`split_plan`): every row tile's pages in `num_splits`
-    equal shares, and up to `long_rows` long rows whose pages are shared by up to `num_splits + long_splits`
-    CTAs a tile (`long_row_windows` decides at run time)."""
+    equal shares, and up to `long_rows` long rows whose pages are shared with `long_rows * long_splits`
+    long CTAs a tile, divided among the long rows at run time (`long_row_windows`)."""
 
     num_splits: int
     long_rows: int
@@ -135,11 +135,15 @@ def split_plan(batch: int, row_tiles: int, max_pages: int, num_sms: int = DEFAUL
     one of its `num_splits` shares would walk more than LONG_ROW_PAGES (128 pages, ~0.3 ms, 2x a 4K
     decode row's whole walk: steady-state decode never qualifies). The first `long_rows` long rows, n of
     them, each share their pages among c CTAs per tile, c = num_sms // (n x tiles) clipped to
-    [num_splits, num_splits + LONG_SPLITS] (one wave: 176 CTAs of 512 pages would be two waves, 1,024
-    pages): the base splits take the first num_splits / c of the pages, up to LONG_SPLITS long splits
-    the rest; their partials [long_rows, LONG_SPLITS, R_pad, 512] are merged into the row after the base
-    merge (`merge_long_rows`). At the stall step: 22 long rows x 2 tiles x 3 = 132 CTAs of 683 pages
-    (1.6 ms) instead of 44 of 2,048 (4.8 ms); 15 rows (the default cap's chunk at 128K): 120 CTAs of 512.
+    [num_splits, num_splits + L // n] with L = long_rows x LONG_SPLITS long CTAs in all (one wave: 176
+    CTAs of 512 pages would be two waves, 1,024 pages): the base splits take the first num_splits / c of
+    the pages, c - num_splits long CTAs the rest; their partials [L, R_pad, 512] are merged into the row
+    after the base merge (`merge_long_rows`). At the stall step: 22 long rows x 2 tiles x 3 = 132 CTAs of
+    683 pages (1.6 ms) instead of 44 of 2,048 (4.8 ms); 15 rows (the default cap's chunk at 128K): 120
+    CTAs of 512; 8 rows: 128 of 256; 1 row: 132 of 31. (Until 2026-12-06 a long row got at most
+    LONG_SPLITS long CTAs whatever n: one long row then took 8 CTAs of 512 pages, 1.17 ms a layer on the
+    H200 where 132 CTAs of 31 pages need ~0.1: the floor under every small capped chunk, measured by
+    `benchmarks/long_context.py --tasks stallparts`.)
     `long_rows` = 2 x num_sms // (tiles x LONG_SPLITS) (44 at H=128, T=1: at most 264 long CTAs, 17 MiB
     of partials); none when a table-wide row's share is at most LONG_ROW_PAGES (short-context engines;
     B=1 decode: 66 splits of 31 pages) or when a row's tiles alone fill the GPU (prefill chunks, T >= ~45
@@ -170,9 +174,9 @@ class LongRows(NamedTuple):
 
 def long_row_windows(pages: jax.Array, plan: SplitPlan, max_pages: int) -> LongRows:
     """Which rows are long and how their pages are shared, from each row's pages [B] (`split_plan`): n long
-    rows taken, c = clip(plan.fill // n, num_splits, num_splits + long_splits) CTAs per tile each; the
-    base splits take the first num_splits / c of a long row's pages, c - num_splits long splits the rest,
-    so its CTAs walk equal shares."""
+    rows taken, c = clip(plan.fill // n, num_splits, num_splits + long_rows * long_splits // n) CTAs per
+    tile each; the base splits take the first num_splits / c of a long row's pages, c - num_splits long
+    CTAs the rest, so its CTAs walk equal shares."""
     bsz = pages.shape[0]
     ns, nl, ks, long_pages, fill = plan
     is_long = pl.cdiv(pages, ns) > long_pages
@@ -180,7 +184,8 @@ def long_row_windows(pages: jax.Array, plan: SplitPlan, max_pages: int) -> LongR
     taken = is_long & (rank < nl)
     idx = jnp.full((nl,), bsz, jnp.int32).at[jnp.where(taken, rank, nl)].set(
         jnp.arange(bsz, dtype=jnp.int32), mode="drop")
-    shares = jnp.clip(fill // jnp.maximum(jnp.sum(taken.astype(jnp.int32)), 1), ns, ns + ks)
+    n = jnp.maximum(jnp.sum(taken.astype(jnp.int32)), 1)
+    shares = jnp.clip(fill // n, ns, ns + (nl * ks) // n)
     head = jnp.where(taken & (shares > ns), pl.cdiv(pages * ns, shares), max_pages)
     return LongRows(head.astype(jnp.int32), idx, (shares - ns).astype(jnp.int32))
 
@@ -189,8 +194,8 @@ def work_items(bsz: int, plan: SplitPlan, max_pages: int, long: LongRows | None 
     """The kernel's work list [I, 5] int32, I = B * num_splits + long_rows * long_splits: per item (row,
     lo, hi, part, parts): it walks share `part` of `parts` of the pages [lo, hi) of each of the row's tiles
     (clipped to the tile's own pages). Base items first, row-major (item b * S + s, pages [0, head)), then
-    the long items (long slot l, split k at l * K + k, share k of `extra` of [head, max_pages)); a free
-    slot or a split k >= extra walks nothing."""
+    the long items: long item j belongs to long slot j // extra as its share j % extra of [head,
+    max_pages) (`long_item_slots`); an item of a free slot or past the last slot walks nothing."""
     ns, nl, ks = plan[:3]
     # Built on the host when static (a literal in the program, no op on the device).
     rows = np.repeat(np.arange(bsz, dtype=np.int32), ns)
@@ -200,13 +205,25 @@ def work_items(bsz: int, plan: SplitPlan, max_pages: int, long: LongRows | None 
         return jnp.asarray(base)
     head, idx, extra = long
     base = jnp.asarray(base).at[:, 2].set(jnp.repeat(head, ns))
-    src = jnp.repeat(jnp.where(idx >= bsz, 0, idx), ks)
-    part = jnp.tile(jnp.arange(ks, dtype=jnp.int32), nl)
-    used = (jnp.repeat(idx, ks) < bsz) & (part < extra)
+    slot, part, used = long_item_slots(nl * ks, idx, extra, bsz)
+    src = jnp.where(used, idx[jnp.minimum(slot, nl - 1)], 0)
     lo = jnp.where(used, head[src], 0)
     hi = jnp.where(used, max_pages, 0)
     parts = jnp.full((nl * ks,), jnp.maximum(extra, 1), jnp.int32)
     return jnp.concatenate([base, jnp.stack([src, lo, hi, part, parts], axis=1).astype(jnp.int32)])
+
+
+def long_item_slots(num_long: int, idx: jax.Array, extra: jax.Array, bsz: int
+                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """For the `num_long` long items: (slot [L], share [L], used [L]): item j serves long slot j // extra
+    as its share j % extra; used when that slot holds a row (idx < bsz) and extra > 0. The one owner of
+    the item -> slot rule (`work_items` lays the items out by it, `merge_long_rows` merges by it)."""
+    j = jnp.arange(num_long, dtype=jnp.int32)
+    per = jnp.maximum(extra, 1)
+    slot = j // per
+    nl = idx.shape[0]
+    used = (extra > 0) & (slot < nl) & (idx[jnp.minimum(slot, nl - 1)] < bsz)
+    return slot, j % per, used
 
 
 def item_pages(items, tile_pages) -> np.ndarray:
@@ -592,28 +609,45 @@ def paged_mla_attention(
     if not nl:
         return merge_splits(base_o, base_l, nq, nh, valid_queries)
     long_o, long_l = long_p
-    merged_o, merged_l = merge_long_rows(base_o, base_l, long_o.reshape(nl, ks, *long_o.shape[1:]),
-                                         long_l.reshape(nl, ks, -1), long.idx)
+    merged_o, merged_l = merge_long_rows(base_o, base_l, long_o, long_l, long.idx, long.extra)
     return merge_splits(merged_o[:, None], merged_l[:, None], nq, nh, valid_queries)
 
 
 def merge_long_rows(base_out: jax.Array, base_lse: jax.Array, long_out: jax.Array, long_lse: jax.Array,
-                    long_idx: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Base partials [B, S, R_pad, 512] / [B, S, R_pad] and long rows' partials [L, K, R_pad, 512] /
-    [L, K, R_pad] (slot l belongs to row long_idx[l]; B = free) -> out [B, R_pad, 512] (partials' dtype),
-    lse [B, R_pad]: the base splits merged, then each long row's merged base and its K long partials
-    merged again, written back to its row (a gather and a scatter of L rows; no other row is touched)."""
+                    long_idx: jax.Array, extra: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Base partials [B, S, R_pad, 512] / [B, S, R_pad] and the long items' partials [L, R_pad, 512] /
+    [L, R_pad] (item j serves long slot j // extra, `long_item_slots`; slot l belongs to row long_idx[l],
+    B = free) -> out [B, R_pad, 512] (partials' dtype), lse [B, R_pad]: the base splits merged, then each
+    long row's merged base and its long partials merged again (log-sum-exp as `merge_partials`, the long
+    partials summed per slot by segment sums since `extra` is known only at run time), written back to
+    its row (a gather and a scatter of the slots' rows; no other row is touched)."""
     bsz = base_out.shape[0]
+    nl = long_idx.shape[0]
     dtype = base_out.dtype
     if base_out.shape[1] == 1:
         out, lse = base_out[:, 0], base_lse[:, 0]
     else:
         out, lse = merge_partials(base_out, base_lse)
         out = out.astype(dtype)
+    slot, _, used = long_item_slots(long_out.shape[0], long_idx, extra, bsz)
+    seg = jnp.where(used, slot, nl)  # unused items go to a dropped segment
+    long_lse = jnp.where(used[:, None], long_lse, -jnp.inf)
     src = jnp.minimum(long_idx, bsz - 1)
-    rows_o = jnp.concatenate([out[src][:, None], long_out], axis=1)
-    rows_l = jnp.concatenate([lse[src][:, None], long_lse], axis=1)
-    m_o, m_l = merge_partials(rows_o, rows_l)
+    base_l = lse[src]  # [nl, R]
+    m = jnp.maximum(base_l, jax.ops.segment_max(long_lse, seg, num_segments=nl + 1,
+                                                indices_are_sorted=True)[:nl])
+    m = jnp.where(m == -jnp.inf, 0.0, m)
+    w_base = jnp.exp(base_l - m)
+    w_long = jnp.exp(long_lse - jnp.concatenate([m, jnp.zeros_like(m[:1])])[seg])  # 0 where unused
+    def per_slot(x):  # sum over each slot's long items (seg is sorted: the used slots come first)
+        return jax.ops.segment_sum(x, seg, num_segments=nl + 1, indices_are_sorted=True)[:nl]
+
+    total = w_base + per_slot(w_long)
+    acc = w_base[..., None] * out[src].astype(jnp.float32)
+    acc = acc + per_slot(w_long[..., None] * long_out.astype(jnp.float32))
+    safe = jnp.where(total > 0, total, 1.0)
+    m_o = acc / safe[..., None]
+    m_l = jnp.where(total > 0, m + jnp.log(safe), -jnp.inf)
     out = out.at[long_idx].set(m_o.astype(dtype), mode="drop")
     lse = lse.at[long_idx].set(m_l, mode="drop")
     return out, lse

@@ -490,10 +490,10 @@ def test_split_plan_at_the_shapes_that_matter():
 
 
 def test_long_rows_share_their_pages_and_short_rows_are_untouched():
-    """At the stall step's lengths (32 rows of 64 pages, 22 or 15 of 2,048, padding rows of 0) the work
-    list covers every (row, tile)'s pages exactly once, a CTA walks at most 683 (22 rows: 3 CTAs a tile,
-    132 in all) or 512 pages (15 rows: 4, 120 in all) where one walked 2,048, and the short rows are
-    walked as before (one CTA each)."""
+    """At the stall step's lengths (32 rows of 64 pages, 22, 15, 8 or 1 of 2,048, padding rows of 0) the
+    work list covers every (row, tile)'s pages exactly once, a CTA walks at most 683 (22 rows: 3 CTAs a
+    tile, 132 in all), 512 (15 rows: 4, 120), 256 (8 rows: 8, 128) or 32 pages (1 row: 64, 128) where one
+    walked 2,048 (1 row: 66 shares of 32 pages, the last 2 empty), and the short rows are walked as before."""
     from pallas_kernels.mla_decode import (
         item_pages,
         long_row_windows,
@@ -503,7 +503,7 @@ def test_long_rows_share_their_pages_and_short_rows_are_untouched():
     )
 
     width, b = 2048, 128
-    for chunk, most, ctas in ((22, 683, 132), (15, 512, 120)):
+    for chunk, most, ctas in ((22, 683, 132), (15, 512, 120), (8, 256, 128), (1, 32, 128)):
         lens = np.array([4096] * 32 + [131072 - chunk + i + 1 for i in range(chunk)] + [0] * (b - 32 - chunk),
                         np.int32)
         kv_len = jnp.asarray(lens)
@@ -516,8 +516,10 @@ def test_long_rows_share_their_pages_and_short_rows_are_untouched():
         assert items.shape == (b * plan.num_splits + plan.long_rows * plan.long_splits, 5)
         tile_pages = np.repeat(np.asarray(pages)[:, None], 2, axis=1)
         walk = item_pages(items, tile_pages)  # [I, 2, 2]
-        assert walk[..., 1].max() == most
-        assert (walk[..., 1] > 64).sum() == ctas  # the long rows' CTAs: one wave
+        of_long = np.isin(items[:, 0], np.arange(32, 32 + chunk))
+        assert walk[of_long][..., 1].max() == most
+        long_ctas = (of_long[:, None] & (walk[..., 1] > 0)).sum()
+        assert long_ctas == ctas  # the long rows' CTAs: one wave
         for row in range(b):  # each row's tiles: the items' windows tile [0, pages) without overlap
             mine = items[:, 0] == row
             for t in range(2):
@@ -552,6 +554,8 @@ LONG_CASES = [
     (128, None, [200, 640, 0], (1, 3, 2, 1)),  # H=128 (two tiles), an empty row, a free slot
     (128, 2, [130, 700], (2, 2, 3, 1)),  # MTP at H=128: four tiles of different causal extent
     (16, None, [900, 40, 1300], (1, 2, 3, 2, 7)),  # fill 7: 3 CTAs a long row, 2 of the 3 long splits
+    (16, None, [900, 40], (1, 2, 3, 2, 20)),  # one long row takes 6 of the 6 long CTAs (more than 3)
+    (16, None, [900, 40, 1300], (1, 3, 3, 2, 10)),  # two long rows, 4 long CTAs each, 1 of 9 unused
 ]
 
 
