@@ -587,9 +587,24 @@ def paged_mla_attention(
     Splits: `num_splits` given = that many equal shares for every row (no long-row splits); otherwise
     `plan` or, by default, `split_plan` (long rows get more CTAs; see there)."""
     interpret = resolve_interpret(interpret)
-    bsz, nq, nh, _ = q_latent.shape
     check_kernel_args(q_latent, q_rope, kv_pages, block_table, q_start=q_start, kv_len=kv_len)
+
+    def run(items, num_base):
+        return run_items(q_latent, q_rope, kv_pages, block_table, q_start, kv_len, items,
+                         softmax_scale=softmax_scale, interpret=interpret, num_base=num_base)
+
+    return attend_items(run, q_latent, block_table, q_start, kv_len, num_splits=num_splits,
+                        valid_queries=valid_queries, plan=plan)
+
+
+def attend_items(run, q_latent: jax.Array, block_table: jax.Array, q_start: jax.Array, kv_len: jax.Array, *,
+                 num_splits: int | None, valid_queries: jax.Array | None, plan: SplitPlan | None
+                 ) -> tuple[jax.Array, jax.Array]:
+    """The split plan, work list and merges around one kernel run, shared by the bf16-page kernel
+    (`paged_mla_attention`) and the FP8-page one (`mla_decode_fp8`): `run(items, num_base)` runs a kernel
+    over the work list and returns its partials as `run_items` does. Returns out [B, Q, H, 512], lse."""
     _check_splits(num_splits)
+    bsz, nq, nh, _ = q_latent.shape
     width = block_table.shape[1]
     row_tiles = pl.cdiv(nq * nh, BLOCK_ROWS)
     if num_splits is not None:
@@ -602,8 +617,7 @@ def paged_mla_attention(
     q_start, kv_len = q_start.astype(jnp.int32), kv_len.astype(jnp.int32)
     long = long_row_windows(row_pages(q_start, kv_len, nq, width), plan, width) if nl else None
     items = work_items(bsz, plan, width, long)
-    out_p, lse_p, *long_p = run_items(q_latent, q_rope, kv_pages, block_table, q_start, kv_len, items,
-                                      softmax_scale=softmax_scale, interpret=interpret, num_base=bsz * ns)
+    out_p, lse_p, *long_p = run(items, bsz * ns)
     base_o = out_p.reshape(bsz, ns, *out_p.shape[1:])
     base_l = lse_p.reshape(bsz, ns, -1)
     if not nl:

@@ -3,8 +3,9 @@
 Owns `paged_mla_fp8_partials` / `paged_mla_fp8_attention`, the FP8-page twin of `mla_decode.py`'s kernel
 core (decode, MTP verify and prefill chunks all go through it: `mla_prefill.mla_chunk_attention` routes
 `Fp8Pages` here). Semantics are `mla_reference.paged_attention_reference` on the dequantized pages (the
-FP8 format is `mla_common`'s docstring); the row tiling, the split-KV grid, `query_tiles`,
-`choose_num_splits` and `merge_splits` are `mla_decode`'s, imported, not copied.
+FP8 format is `mla_common`'s docstring); the row tiling, the work list of split-KV items (long rows shared
+by more CTAs: `split_plan`, `work_items`), `query_tiles` and the merges (`attend_items`) are
+`mla_decode`'s, imported, not copied.
 
 Kernel design (Hopper, one CTA = three warpgroups; read `mla_decode`'s docstring first, this is its v2 with
 a dequantizing stage):
@@ -60,9 +61,11 @@ from pallas_kernels.mla_decode import (
     HALF_PAGE,
     NUM_SLOTS,
     REDUCTION_SCRATCH_BYTES,
+    SplitPlan,
+    attend_items,
     choose_num_splits,
-    merge_splits,
     query_tiles,
+    work_items,
 )
 
 # mla_decode's private constants and P V helper, restated (a module's `_name` is its own; making them public
@@ -137,16 +140,16 @@ def _pv(acc, p16, v, p_stage, interpret: bool):
 
 
 def _kernel(
-    q_ref, lat_ref, sc_ref, rope_ref, bt_ref, qstart_ref, kvlen_ref,  # inputs (GMEM)
-    out_ref, lse_ref,  # outputs (GMEM)
+    q_ref, lat_ref, sc_ref, rope_ref, bt_ref, qstart_ref, kvlen_ref, items_ref,  # inputs (GMEM)
+    *outs,  # outputs (GMEM): out, lse of the first `num_base` items (and of the rest, when there are more)
     q_smem, lat_smem, kv_smem, rope_smem, p_smem, px_smem, sc_smem, mx_smem,
     q_bar, k_bars, rope_bar, consumed_bars, rope_free, deq_bar, done_bar, m_bar, p_bar,
-    *, num_heads: int, num_queries: int, num_splits: int, softmax_scale: float, interpret: bool,
+    num_base: int, num_heads: int, num_queries: int, softmax_scale: float, interpret: bool,
 ):
-    b = lax.axis_index("b")
+    item = lax.axis_index("i")
     tile = lax.axis_index("t")
-    split = lax.axis_index("s")
     wg = lax.axis_index("wg")
+    b = items_ref[item, 0]  # the work item (`mla_decode.work_items`): row, window [lo, hi), part / parts
     row0 = tile * BLOCK_ROWS
     q_start = qstart_ref[b]
     kv_len = kvlen_ref[b]
@@ -156,9 +159,11 @@ def _kernel(
     last_tok = jnp.minimum((row0 + BLOCK_ROWS - 1) // num_heads, num_queries - 1)
     tile_end = jnp.minimum(kv_len, q_start + 1 + last_tok)
     n_blocks = jnp.minimum(pl.cdiv(tile_end, PAGE_SIZE), bt_ref.shape[1])
-    per_split = pl.cdiv(n_blocks, num_splits)
-    blk_lo = jnp.minimum(split * per_split, n_blocks)
-    n_steps = jnp.minimum(blk_lo + per_split, n_blocks) - blk_lo
+    win_lo = jnp.minimum(items_ref[item, 1], n_blocks)
+    win_hi = jnp.minimum(items_ref[item, 2], n_blocks)
+    per_split = pl.cdiv(win_hi - win_lo, items_ref[item, 4])
+    blk_lo = jnp.minimum(win_lo + items_ref[item, 3] * per_split, win_hi)
+    n_steps = jnp.minimum(blk_lo + per_split, win_hi) - blk_lo
 
     @pl.when(wg == 2)
     def _producer():
@@ -270,17 +275,68 @@ def _kernel(
         if half == 0:
             lse_stage[...] = jnp.where(empty, -jnp.inf, (m_i + jnp.log2(l_safe)) * _LN2)
         plgpu.commit_smem()
-        for r in range(0, BLOCK_ROWS, 8):
-            plgpu.copy_smem_to_gmem(
-                q_smem.at[pl.ds(r, 8), pl.ds(half * HALF, HALF)],
-                out_ref.at[b, split, pl.ds(row0 + r, 8), pl.ds(half * HALF, HALF)],
-            )
-        if half == 0:
-            plgpu.copy_smem_to_gmem(lse_stage, lse_ref.at[b, split, pl.ds(row0, BLOCK_ROWS)])
+
+        def write(out_ref, lse_ref, at):
+            for r in range(0, BLOCK_ROWS, 8):
+                plgpu.copy_smem_to_gmem(
+                    q_smem.at[pl.ds(r, 8), pl.ds(half * HALF, HALF)],
+                    out_ref.at[at, pl.ds(row0 + r, 8), pl.ds(half * HALF, HALF)],
+                )
+            if half == 0:
+                plgpu.copy_smem_to_gmem(lse_stage, lse_ref.at[at, pl.ds(row0, BLOCK_ROWS)])
+
+        if len(outs) == 2:
+            write(*outs, item)
+        else:  # base and long items go to separate outputs, as in mla_decode.run_items
+            pl.when(item < num_base)(lambda: write(outs[0], outs[1], item))
+            pl.when(item >= num_base)(lambda: write(outs[2], outs[3], item - num_base))
         plgpu.wait_smem_to_gmem(0)
 
     pl.when(wg == 0)(functools.partial(consumer, 0))
     pl.when(wg == 1)(functools.partial(consumer, 1))
+
+
+def run_fp8_items(q_latent: jax.Array, q_rope: jax.Array, kv_pages: Fp8Pages, block_table: jax.Array,
+                  q_start: jax.Array, kv_len: jax.Array, items: jax.Array, *, softmax_scale: float,
+                  interpret: bool, num_base: int | None = None) -> tuple[jax.Array, ...]:
+    """`mla_decode.run_items` for FP8 pages: the kernel over the work list `items` [I, 5]; one partial per
+    item, out [I, R_pad, 512] bf16 and lse [I, R_pad] (split in two pairs at `num_base`, as there)."""
+    bsz, nq, nh, _ = q_latent.shape
+    num_items = items.shape[0]
+    num_base = num_items if num_base is None else num_base
+    row_tiles = pl.cdiv(nq * nh, BLOCK_ROWS)
+    q = query_tiles(q_latent, q_rope)
+    scratch = _scratch(bool(interpret))
+    names = [k for k, v in scratch.items() if v is not None]
+    body = functools.partial(
+        _kernel, num_base=num_base, num_heads=nh, num_queries=nq,
+        softmax_scale=float(softmax_scale), interpret=bool(interpret),
+    )
+
+    def entry(*refs):
+        def scoped(*allocs):
+            body(*refs, **(dict.fromkeys(scratch) | dict(zip(names, allocs))))
+
+        pl.run_scoped(scoped, *(scratch[k] for k in names), collective_axes="wg")
+
+    rows = row_tiles * BLOCK_ROWS
+    out_type = [jax.ShapeDtypeStruct((num_base, rows, LATENT_DIM), q.dtype),
+                jax.ShapeDtypeStruct((num_base, rows), jnp.float32)]
+    if num_base < num_items:
+        out_type += [jax.ShapeDtypeStruct((num_items - num_base, rows, LATENT_DIM), q.dtype),
+                     jax.ShapeDtypeStruct((num_items - num_base, rows), jnp.float32)]
+    return plgpu.kernel(
+        entry,
+        out_type=tuple(out_type),
+        grid=(num_items, row_tiles),
+        grid_names=("i", "t"),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(
+            approx_math=True, reduction_scratch_bytes=REDUCTION_SCRATCH_BYTES),
+        interpret=plgpu.InterpretGPUParams(uninitialized_memory="nan") if interpret else None,
+    )(q, kv_pages.latent, kv_pages.scale, kv_pages.rope, block_table.astype(jnp.int32),
+      q_start.astype(jnp.int32), kv_len.astype(jnp.int32), items.astype(jnp.int32))
 
 
 def paged_mla_fp8_partials(
@@ -296,45 +352,19 @@ def paged_mla_fp8_partials(
     interpret: bool | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """`mla_decode.paged_mla_partials` for FP8 pages (q_* bf16 [B, Q, H, D]): out [B, S, R_pad, 512] bf16
-    and lse [B, S, R_pad] float32 split partials."""
+    and lse [B, S, R_pad] float32 split partials (equal shares, no long-row splits)."""
     interpret = resolve_interpret(interpret)
     bsz, nq, nh, _ = q_latent.shape
     check_kernel_args(q_latent, q_rope, kv_pages, block_table, fp8_pages=True, q_start=q_start,
                       kv_len=kv_len)
     if num_splits is not None and (not isinstance(num_splits, numbers.Integral) or num_splits < 1):
         raise ValueError(f"num_splits must be a positive int or None (automatic), got {num_splits!r}")
-    row_tiles = pl.cdiv(nq * nh, BLOCK_ROWS)
     if num_splits is None:
-        num_splits = choose_num_splits(bsz, row_tiles, block_table.shape[1])
-    q = query_tiles(q_latent, q_rope)
-    scratch = _scratch(bool(interpret))
-    names = [k for k, v in scratch.items() if v is not None]
-    body = functools.partial(
-        _kernel, num_heads=nh, num_queries=nq, num_splits=num_splits,
-        softmax_scale=float(softmax_scale), interpret=bool(interpret),
-    )
-
-    def entry(*refs):
-        def scoped(*allocs):
-            body(*refs, **(dict.fromkeys(scratch) | dict(zip(names, allocs))))
-
-        pl.run_scoped(scoped, *(scratch[k] for k in names), collective_axes="wg")
-
-    return plgpu.kernel(
-        entry,
-        out_type=(
-            jax.ShapeDtypeStruct((bsz, num_splits, row_tiles * BLOCK_ROWS, LATENT_DIM), q.dtype),
-            jax.ShapeDtypeStruct((bsz, num_splits, row_tiles * BLOCK_ROWS), jnp.float32),
-        ),
-        grid=(bsz, row_tiles, num_splits),
-        grid_names=("b", "t", "s"),
-        num_threads=3,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(
-            approx_math=True, reduction_scratch_bytes=REDUCTION_SCRATCH_BYTES),
-        interpret=plgpu.InterpretGPUParams(uninitialized_memory="nan") if interpret else None,
-    )(q, kv_pages.latent, kv_pages.scale, kv_pages.rope, block_table.astype(jnp.int32),
-      q_start.astype(jnp.int32), kv_len.astype(jnp.int32))
+        num_splits = choose_num_splits(bsz, pl.cdiv(nq * nh, BLOCK_ROWS), block_table.shape[1])
+    items = work_items(bsz, SplitPlan(num_splits, 0, 0), block_table.shape[1])
+    out, lse = run_fp8_items(q_latent, q_rope, kv_pages, block_table, q_start, kv_len, items,
+                             softmax_scale=softmax_scale, interpret=bool(interpret))
+    return out.reshape(bsz, num_splits, *out.shape[1:]), lse.reshape(bsz, num_splits, -1)
 
 
 def paged_mla_fp8_attention(
@@ -349,11 +379,17 @@ def paged_mla_fp8_attention(
     num_splits: int | None = None,
     interpret: bool | None = None,
     valid_queries: jax.Array | None = None,
+    plan: SplitPlan | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """`mla_decode.paged_mla_attention` for FP8 pages: out [B, Q, H, 512] bf16 and lse [B, Q, H]."""
-    _, nq, nh, _ = q_latent.shape
-    out_parts, lse_parts = paged_mla_fp8_partials(
-        q_latent, q_rope, kv_pages, block_table, q_start, kv_len,
-        softmax_scale=softmax_scale, num_splits=num_splits, interpret=interpret,
-    )
-    return merge_splits(out_parts, lse_parts, nq, nh, valid_queries)
+    """`mla_decode.paged_mla_attention` for FP8 pages, with the same split plans (long rows shared by more
+    CTAs, `mla_decode.split_plan`): out [B, Q, H, 512] bf16 and lse [B, Q, H]."""
+    interpret = resolve_interpret(interpret)
+    check_kernel_args(q_latent, q_rope, kv_pages, block_table, fp8_pages=True, q_start=q_start,
+                      kv_len=kv_len)
+
+    def run(items, num_base):
+        return run_fp8_items(q_latent, q_rope, kv_pages, block_table, q_start, kv_len, items,
+                             softmax_scale=softmax_scale, interpret=bool(interpret), num_base=num_base)
+
+    return attend_items(run, q_latent, block_table, q_start, kv_len, num_splits=num_splits,
+                        valid_queries=valid_queries, plan=plan)

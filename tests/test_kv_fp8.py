@@ -301,14 +301,14 @@ def test_pallas_backend_reads_fp8_pages_with_the_fp8_kernel(caplog):
     kernel_dispatch._log_mla_shape_fallback.cache_clear()
     mla_prefill.clear_cache()  # so that the kernel function is traced (and the spy sees it) here
     calls = []
-    real = mla_decode_fp8.paged_mla_fp8_partials
+    real = mla_decode_fp8.run_fp8_items
 
     def spy(*a, **k):
         calls.append(1)
         return real(*a, **k)
 
     with caplog.at_level("WARNING"), pytest.MonkeyPatch.context() as mp:
-        mp.setattr(mla_decode_fp8, "paged_mla_fp8_partials", spy)
+        mp.setattr(mla_decode_fp8, "run_fp8_items", spy)
         o, lse = kernel_dispatch.mla_attention(ql, qr, fp8, table, start, n, softmax_scale=0.1,
                                                backend="pallas")
     assert calls and "MLA kernel needs" not in caplog.text

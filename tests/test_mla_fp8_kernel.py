@@ -127,6 +127,43 @@ def test_fp8_kernel_matches_reference_interpret(h, t, start, chunk, splits):
     _check(out, lse, *_reference(ql, qr, pages, table, sp, cl), cl)
 
 
+# Long rows among short ones with long-row splits forced at small sizes (a row is long past 2 pages a base
+# split), through mla_decode's plans: (heads, lengths, SplitPlan fields).
+FP8_LONG_CASES = [
+    (16, [900, 40, 1300, 1], (1, 2, 3, 2)),  # two long rows, 3 long CTAs each; a short and a 1-token row
+    (16, [900, 40], (1, 2, 3, 2, 20)),  # one long row takes all 6 long CTAs
+    (128, [640, 0, 200], (1, 3, 2, 1, 6)),  # H=128 (two tiles), an empty row, two long rows
+]
+
+
+@pytest.mark.parametrize("h,lens,plan", FP8_LONG_CASES)
+def test_fp8_long_row_splits_match_reference(h, lens, plan):
+    """The FP8-page kernel runs mla_decode's work lists: long rows' pages shared by more CTAs and merged
+    back (`attend_items`), decode rows (one query at the row's end), against the fp32 reference."""
+    from pallas_kernels.mla_decode import SplitPlan
+
+    rng = np.random.default_rng(sum(lens) + h)
+    b = len(lens)
+    npg = [max(1, -(-n // PAGE_SIZE)) for n in lens]
+    num_pages = sum(npg)
+    pages = _pages(rng, num_pages)
+    perm = rng.permutation(num_pages)
+    table = np.zeros((b, max(npg)), np.int32)
+    k = 0
+    for i, n in enumerate(npg):
+        table[i, :n] = perm[k : k + n]
+        k += n
+    table = jnp.asarray(table)
+    ql, qr = _queries(rng, b, 1, h)
+    seq = jnp.asarray(lens, jnp.int32)
+    start = jnp.maximum(seq - 1, 0)
+    cl = (seq > 0).astype(jnp.int32)
+    out, lse = jax.jit(lambda *a: mla_decode_fp8.paged_mla_fp8_attention(
+        *a, softmax_scale=SCALE, interpret=True, plan=SplitPlan(*plan), valid_queries=cl))(
+        ql, qr, pages, table, start, seq)
+    _check(out, lse, *_reference(ql, qr, pages, table, start, cl), cl)
+
+
 def test_fp8_kernel_clamps_page_ids_like_the_reference():
     """Page ids outside the pool read the nearest end page in both (mla_common.clamp_page_ids)."""
     rng = np.random.default_rng(3)
