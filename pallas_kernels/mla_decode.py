@@ -238,6 +238,39 @@ def item_pages(items, tile_pages) -> np.ndarray:
     return np.stack([first, np.minimum(first + per, hi) - first], axis=-1)
 
 
+def item_window(items_ref, item, n_blocks) -> tuple[jax.Array, jax.Array]:
+    """In a kernel: the (first page, page count) work item `item` walks of a tile with `n_blocks` pages,
+    share items[item, 3] of items[item, 4] of the window [items[item, 1], items[item, 2]) clipped to the
+    tile (the rule `item_pages` mirrors on the host). Shared by this kernel and `mla_decode_fp8`'s."""
+    win_lo = jnp.minimum(items_ref[item, 1], n_blocks)
+    win_hi = jnp.minimum(items_ref[item, 2], n_blocks)
+    per_split = pl.cdiv(win_hi - win_lo, items_ref[item, 4])
+    blk_lo = jnp.minimum(win_lo + items_ref[item, 3] * per_split, win_hi)
+    return blk_lo, jnp.minimum(blk_lo + per_split, win_hi) - blk_lo
+
+
+def write_partials(q_smem, lse_stage, outs, item, num_base: int, row0, half: int) -> None:
+    """In a kernel's consumer `half`: copy its column half of the output tile (staged in `q_smem`) and,
+    for half 0, the lse (`lse_stage`) to item `item`'s partials: outs = (out, lse) or, with long items,
+    (out, lse) of the first `num_base` items then (out, lse) of the rest (see `run_items`). Shared by this
+    kernel and `mla_decode_fp8`'s; the caller waits for the copies."""
+    def write(out_ref, lse_ref, at):
+        # A column half of the tiled tile is not contiguous; each 8-row group of it is (8x64 tiles).
+        for r in range(0, BLOCK_ROWS, 8):
+            plgpu.copy_smem_to_gmem(
+                q_smem.at[pl.ds(r, 8), pl.ds(half * HALF, HALF)],
+                out_ref.at[at, pl.ds(row0 + r, 8), pl.ds(half * HALF, HALF)],
+            )
+        if half == 0:
+            plgpu.copy_smem_to_gmem(lse_stage, lse_ref.at[at, pl.ds(row0, BLOCK_ROWS)])
+
+    if len(outs) == 2:
+        write(*outs, item)
+    else:  # base items and long items go to separate outputs (the base one is merged in place)
+        pl.when(item < num_base)(lambda: write(outs[0], outs[1], item))
+        pl.when(item >= num_base)(lambda: write(outs[2], outs[3], item - num_base))
+
+
 def _masked_scores(q_smem, k_smem, slot, key0: int, nkeys: int, page_pos0, limit, scale2):
     """Scaled log2-domain scores of the Q tile against keys key0 .. key0 + nkeys of the page in `slot`
     (wgmma N = nkeys), with positions at or past each row's `limit` [64, nkeys] set to -inf."""
@@ -285,11 +318,7 @@ def _kernel(
     tile_end = jnp.minimum(kv_len, q_start + 1 + last_tok)
     # Positions past the block table's capacity do not exist (as in the reference): reads stay in the table.
     n_blocks = jnp.minimum(pl.cdiv(tile_end, PAGE_SIZE), bt_ref.shape[1])
-    win_lo = jnp.minimum(items_ref[item, 1], n_blocks)
-    win_hi = jnp.minimum(items_ref[item, 2], n_blocks)
-    per_split = pl.cdiv(win_hi - win_lo, items_ref[item, 4])
-    blk_lo = jnp.minimum(win_lo + items_ref[item, 3] * per_split, win_hi)
-    n_steps = jnp.minimum(blk_lo + per_split, win_hi) - blk_lo
+    blk_lo, n_steps = item_window(items_ref, item, n_blocks)
 
     @pl.when(wg == 2)
     def _producer():
@@ -378,21 +407,7 @@ def _kernel(
             lse_stage[...] = jnp.where(empty, -jnp.inf, (m_i + jnp.log2(l_safe)) * _LN2)
         plgpu.commit_smem()
 
-        def write(out_ref, lse_ref, at):
-            # A column half of the tiled tile is not contiguous; each 8-row group of it is (8x64 tiles).
-            for r in range(0, BLOCK_ROWS, 8):
-                plgpu.copy_smem_to_gmem(
-                    q_smem.at[pl.ds(r, 8), pl.ds(half * HALF, HALF)],
-                    out_ref.at[at, pl.ds(row0 + r, 8), pl.ds(half * HALF, HALF)],
-                )
-            if half == 0:
-                plgpu.copy_smem_to_gmem(lse_stage, lse_ref.at[at, pl.ds(row0, BLOCK_ROWS)])
-
-        if len(outs) == 2:
-            write(*outs, item)
-        else:  # base items and long items go to separate outputs (the base one is merged in place)
-            pl.when(item < num_base)(lambda: write(outs[0], outs[1], item))
-            pl.when(item >= num_base)(lambda: write(outs[2], outs[3], item - num_base))
+        write_partials(q_smem, lse_stage, outs, item, num_base, row0, half)
         plgpu.wait_smem_to_gmem(0)
 
     pl.when(wg == 0)(functools.partial(consumer, 0))

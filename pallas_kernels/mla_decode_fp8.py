@@ -64,8 +64,10 @@ from pallas_kernels.mla_decode import (
     SplitPlan,
     attend_items,
     choose_num_splits,
+    item_window,
     query_tiles,
     work_items,
+    write_partials,
 )
 
 # mla_decode's private constants and P V helper, restated (a module's `_name` is its own; making them public
@@ -159,11 +161,7 @@ def _kernel(
     last_tok = jnp.minimum((row0 + BLOCK_ROWS - 1) // num_heads, num_queries - 1)
     tile_end = jnp.minimum(kv_len, q_start + 1 + last_tok)
     n_blocks = jnp.minimum(pl.cdiv(tile_end, PAGE_SIZE), bt_ref.shape[1])
-    win_lo = jnp.minimum(items_ref[item, 1], n_blocks)
-    win_hi = jnp.minimum(items_ref[item, 2], n_blocks)
-    per_split = pl.cdiv(win_hi - win_lo, items_ref[item, 4])
-    blk_lo = jnp.minimum(win_lo + items_ref[item, 3] * per_split, win_hi)
-    n_steps = jnp.minimum(blk_lo + per_split, win_hi) - blk_lo
+    blk_lo, n_steps = item_window(items_ref, item, n_blocks)
 
     @pl.when(wg == 2)
     def _producer():
@@ -275,21 +273,7 @@ def _kernel(
         if half == 0:
             lse_stage[...] = jnp.where(empty, -jnp.inf, (m_i + jnp.log2(l_safe)) * _LN2)
         plgpu.commit_smem()
-
-        def write(out_ref, lse_ref, at):
-            for r in range(0, BLOCK_ROWS, 8):
-                plgpu.copy_smem_to_gmem(
-                    q_smem.at[pl.ds(r, 8), pl.ds(half * HALF, HALF)],
-                    out_ref.at[at, pl.ds(row0 + r, 8), pl.ds(half * HALF, HALF)],
-                )
-            if half == 0:
-                plgpu.copy_smem_to_gmem(lse_stage, lse_ref.at[at, pl.ds(row0, BLOCK_ROWS)])
-
-        if len(outs) == 2:
-            write(*outs, item)
-        else:  # base and long items go to separate outputs, as in mla_decode.run_items
-            pl.when(item < num_base)(lambda: write(outs[0], outs[1], item))
-            pl.when(item >= num_base)(lambda: write(outs[2], outs[3], item - num_base))
+        write_partials(q_smem, lse_stage, outs, item, num_base, row0, half)
         plgpu.wait_smem_to_gmem(0)
 
     pl.when(wg == 0)(functools.partial(consumer, 0))
