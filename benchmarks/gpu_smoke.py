@@ -10,7 +10,8 @@ functions, imported:
     shapes) and the BF16 grouped GEMM at decode (512 rows): GPU time per call (`device_time.py`), each
     result checked against its reference first;
   * the bare batch-1 decode step (`e2e_bench.decode_case`, context 1K) beside its HBM floor.
-A figure fails when it is more than --tolerance (15%) worse than `benchmarks/baseline_h200.json`; the run
+A figure fails when it is more than --tolerance (15%) worse than the device's baseline,
+`benchmarks/baseline_<card>.json` (`baseline_h200.json`, `baseline_h100.json`: `default_baseline`); the run
 also fails when a check fails (kernel error bound, compiles after warmup, a part that raised) or when a
 test part of gpu_check.sh failed (`--prior NAME=RC`). Without a baseline file it prints the figures, says
 "no baseline" and exits 2, unless --write-baseline (writes it from this run; refused when one of this
@@ -30,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -46,7 +48,15 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-DEFAULT_BASELINE = ROOT / "benchmarks" / "baseline_h200.json"
+BASELINE_DIR = ROOT / "benchmarks"
+
+
+def default_baseline(device_kind: str) -> Path:
+    """The committed baseline of this card: "NVIDIA H200" -> baseline_h200.json, "NVIDIA H100 80GB HBM3" ->
+    baseline_h100.json (the model's first word after the vendor, lower case). Figures of one card are
+    never judged against another's."""
+    words = [w for w in device_kind.lower().split() if w not in ("nvidia", "tesla")]
+    return BASELINE_DIR / f"baseline_{re.sub(r'[^a-z0-9]', '', words[0]) if words else 'unknown'}.json"
 TOLERANCE = 0.15
 ERR_BOUND = 2e-2  # relative error vs fp32 the GPU kernel tests accept (mla_bench.ERR_BOUND)
 
@@ -301,7 +311,7 @@ def print_table(rows: list[tuple]) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tiny", action="store_true", help="CPU check of this script: tiny config, references")
-    ap.add_argument("--baseline", type=Path, help=f"default: {DEFAULT_BASELINE.relative_to(ROOT)} (none with --tiny)")
+    ap.add_argument("--baseline", type=Path, help="default: benchmarks/baseline_<card>.json for this device (none with --tiny)")
     ap.add_argument("--write-baseline", action="store_true", help="write the baseline from this run")
     ap.add_argument("--tolerance", type=float, default=TOLERANCE, help="a figure this much worse fails")
     ap.add_argument("--prior", action="append", default=[], metavar="NAME=RC",
@@ -315,7 +325,7 @@ def main() -> int:
     args = ap.parse_args()
     out = args.out or (Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "benchmarks" / "results") \
         / "gpu_smoke.json"
-    baseline_path = args.baseline or (None if args.tiny else DEFAULT_BASELINE)
+    baseline_path = args.baseline or (None if args.tiny else default_baseline(str(jax.devices()[0].device_kind)))
     mode = "tiny" if args.tiny else "full"
     run = Run(out)
     if args.from_json:

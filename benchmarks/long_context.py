@@ -185,13 +185,124 @@ def sec_kernel(args, res: dict, left) -> None:
 
 
 # ------------------------------------------------------------------------------------------ (a), (b)
-def drive(eng: Engine, until, record: list | None = None) -> None:
-    """Step until `until()`; `record` gets (clock, tokens, rows) per dispatched step."""
+def drive(eng: Engine, until, record: list | None = None, trace: "StepTrace | None" = None) -> None:
+    """Step until `until()`; `record` gets (clock, tokens, rows) per dispatched step; `trace` (if given)
+    times each `eng.step()` call's phases."""
     while not until():
         before = eng.stats["steps"]
+        if trace is not None:
+            trace.begin()
         eng.step()
+        if trace is not None:
+            trace.end(eng)
         if record is not None and eng.stats["steps"] > before:
             record.append((eng.clock(), eng.stats["tokens"][-1], eng.stats["batch_sizes"][-1]))
+
+
+class StepTrace:
+    """Where each `Engine.step()` call's wall time goes, from the host: the scheduler, the batch layout, the
+    dispatch (`_execute`: enqueue, returns before the device finishes) and the commit of the previous step
+    (which waits for its results: with pipelining, the device's step time shows up there). Wraps the
+    engine's methods on this instance only (benchmark instrumentation; the engine is not changed), plus
+    the program each step ran (its StepKey's token and row capacities)."""
+
+    PHASES = ("schedule", "build", "execute", "commit")
+
+    def __init__(self, eng: Engine):
+        self.rows: list[dict] = []
+        self._cur: dict = {}
+        self._wrap(eng.sched, "schedule", "schedule")
+        self._wrap(eng, "_execute", "execute")
+        self._wrap(eng, "_commit", "commit")
+        self._wrap_build()
+
+    def _timed(self, fn, phase: str):
+        @functools.wraps(fn)
+        def run(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self._cur[phase] = self._cur.get(phase, 0.0) + time.perf_counter() - t0
+        return run
+
+    def _wrap(self, obj, name: str, phase: str) -> None:
+        setattr(obj, name, self._timed(getattr(obj, name), phase))
+
+    def _wrap_build(self) -> None:
+        # core.py calls `step.build` through the module: patched for the trace's life (close() restores).
+        from dsv3_jax.engine import step as step_mod
+        self._step_mod, self._build = step_mod, step_mod.build
+        timed = self._timed(step_mod.build, "build")
+        def build(*a, **k):
+            b = timed(*a, **k)
+            self._cur["program"] = f"{b.key.tokens}/{b.key.rows}"
+            return b
+        step_mod.build = build
+
+    def close(self) -> None:
+        self._step_mod.build = self._build
+
+    def begin(self) -> None:
+        self._cur = {"t0": time.perf_counter()}
+
+    def end(self, eng: Engine) -> None:
+        c = self._cur
+        c["wall"] = time.perf_counter() - c.pop("t0")
+        c["clock"] = eng.clock()
+        self.rows.append(c)
+
+    def summary(self, a: float, b: float) -> dict:
+        """Medians (ms) of each phase and the wall over the step calls that ended in (a, b], and the
+        programs they ran (count per token/row capacity)."""
+        rows = [r for r in self.rows if a < r["clock"] <= b]
+        if not rows:
+            return {"calls": 0}
+        out: dict = {"calls": len(rows)}
+        for ph in (*self.PHASES, "wall"):
+            v = [1e3 * r.get(ph, 0.0) for r in rows]
+            out[f"{ph}_ms"] = {"p50": float(np.median(v)), "p90": float(np.percentile(v, 90)),
+                               "mean": float(np.mean(v))}
+        progs: dict[str, int] = {}
+        for r in rows:
+            progs[r.get("program", "none")] = progs.get(r.get("program", "none"), 0) + 1
+        out["programs"] = progs
+        return out
+
+
+def gpu_busy(trace_dir: str) -> dict:
+    """From a `jax.profiler` trace: the GPU's busy time (union of kernel intervals on its stream lines),
+    the span from the first kernel's start to the last's end, and the top kernels by total time. Busy
+    well below the span means the device waited for the host."""
+    import glob
+    import os
+
+    from jax.profiler import ProfileData
+
+    paths = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
+    if not paths:
+        return {"error": "no trace written"}
+    events = []
+    for plane in ProfileData.from_file(paths[0]).planes:
+        if plane.name.startswith("/device:GPU"):
+            for line in plane.lines:
+                if line.name.startswith("Stream"):
+                    events += [(e.start_ns, e.start_ns + e.duration_ns, e.name) for e in line.events]
+    if not events:
+        return {"error": "no GPU kernels in the trace"}
+    events.sort()
+    busy, end = 0, events[0][0]
+    for s, e, _ in events:
+        if e > end:
+            busy += e - max(s, end)
+            end = e
+    per: dict[str, float] = {}
+    for s, e, n in events:
+        per[n[:60]] = per.get(n[:60], 0.0) + (e - s) / 1e6
+    top = sorted(per.items(), key=lambda kv: -kv[1])[:8]
+    span = max(e for _, e, _ in events) - events[0][0]
+    return {"busy_ms": busy / 1e6, "span_ms": span / 1e6, "busy_share": busy / span if span else None,
+            "kernels": len(events), "top_kernels_ms": dict(top)}
 
 
 def sec_long(args, res: dict, eng: Engine, cfg, params, rng, left, length: int) -> None:
@@ -248,14 +359,34 @@ def sec_stall(args, res: dict, eng: Engine, cfg, rng, left) -> None:
         return [eng.finished.get(i) or live[i] for i in rids]
 
     drive(eng, lambda: all(len(r.output) >= 4 for r in reqs()))  # prefilled, decoding
+    trace = StepTrace(eng)
     t_base = eng.clock()
-    drive(eng, lambda: eng.clock() - t_base > args.baseline_s)
+    drive(eng, lambda: eng.clock() - t_base > args.baseline_s, trace=trace)
     t_arrive = eng.clock()
     long_rid = eng.add_request(rng.integers(2, cfg.vocab_size, args.stall_len).tolist(), max_new_tokens=1)
     steps: list = []
-    drive(eng, lambda: long_rid in eng.finished or any(len(r.output) >= r.max_new_tokens for r in reqs()),
-          steps)
+    done = lambda: long_rid in eng.finished or any(len(r.output) >= r.max_new_tokens for r in reqs())  # noqa: E731
+    long_req = next(r for r in eng.waiting if r.rid == long_rid)
+    # Drive to the middle of the long prompt, profile --stall-profile-steps steps of the device there (is
+    # it busy, or waiting for the host?), then drive to the end.
+    drive(eng, lambda: done() or long_req.computed >= args.stall_len // 2, steps, trace)
+    # GPU only: the CPU has no device plane to read, and XLA:CPU programs loaded from the persistent
+    # cache fail to run under the profiler (NOT_FOUND: a fusion's function), seen 2026-12-06.
+    if args.stall_profile_steps and not done() and jax.default_backend() == "gpu":
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as d:
+            t_p0 = eng.clock()
+            jax.profiler.start_trace(d)
+            n0 = len(steps)
+            drive(eng, lambda: done() or len(steps) - n0 >= args.stall_profile_steps, steps, trace)
+            jax.effects_barrier()
+            jax.profiler.stop_trace()
+            out["profile_mid_prefill"] = {"steps": len(steps) - n0, "wall_ms": 1e3 * (eng.clock() - t_p0),
+                                          "prefix_at_start": args.stall_len // 2, **gpu_busy(d)}
+    drive(eng, done, steps, trace)
     t_done = eng.clock()
+    trace.close()
     ok = long_rid in eng.finished
 
     def gaps(a: float, b: float) -> np.ndarray:
@@ -277,6 +408,8 @@ def sec_stall(args, res: dict, eng: Engine, cfg, rng, left) -> None:
     # The long prompt's chunk in each step that carried it (every other row decodes one token).
     chunks = [t - (r - 1) for _, t, r in steps if r > args.decoders]
     out["steps_during"] = len(steps)
+    out["step_phases_before"] = trace.summary(t_base, t_arrive)
+    out["step_phases_during"] = trace.summary(t_arrive, t_done)
     out["long_chunk_tokens"] = {"first": chunks[0], "median": float(np.median(chunks)), "last": chunks[-1],
                                 "steps": len(chunks)} if chunks else None
     for i in rids:
@@ -476,6 +609,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--decode-ctx", type=int, default=4096)
     ap.add_argument("--decoder-new", type=int, default=12000, help="(b) budget of each decoder")
     ap.add_argument("--stall-len", type=int, default=131072)
+    ap.add_argument("--stall-profile-steps", type=int, default=16,
+                    help="(b) steps profiled on the device at the long prompt's midpoint (0: none)")
     ap.add_argument("--baseline-s", type=float, default=2.0, help="(b) decoding alone measured this long")
     ap.add_argument("--kernel-prefix", type=int, default=131072)
     ap.add_argument("--kernel-chunks", default="512,1024,2048,4096")
@@ -638,6 +773,15 @@ def report(res: dict) -> None:
               f"{s['p99_during_over_p50_before']:.2f} (goal <= 2); long TTFT {s['long_ttft_s'] or float('nan'):.1f} s "
               f"(alone {s['long_ttft_alone_s'] or float('nan'):.1f} s); cap {s['prefill_attention_pairs']:,} pairs, "
               f"chunk {s['chunk_size']}, budget {s['max_batched_tokens']}")
+        for when in ("before", "during"):
+            ph = s.get(f"step_phases_{when}") or {}
+            if ph.get("calls"):
+                print(f"    step() {when}: {ph['calls']} calls, p50 ms: " + ", ".join(
+                    f"{k} {ph[f'{k}_ms']['p50']:.2f}" for k in (*StepTrace.PHASES, "wall")) + f"; programs {ph['programs']}")
+        pm = s.get("profile_mid_prefill")
+        if pm:
+            print(f"    profile at the midpoint: {pm.get('steps')} steps in {pm.get('wall_ms', 0):.1f} ms wall, GPU busy "
+                  f"{pm.get('busy_ms', float('nan')):.1f} ms of a {pm.get('span_ms', float('nan')):.1f}-ms span {pm.get('error', '')}")
     if "stall_error" in res:
         print("(b) error:", res["stall_error"][:200])
     print("skipped:", res["skipped"])

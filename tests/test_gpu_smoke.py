@@ -88,3 +88,16 @@ def test_baseline_cycle_everything(tmp_path):
     check = {c["name"]: c for c in res["checks"]}["engine loads compile nothing after warmup"]
     assert check["ok"], check
     assert res["warmup"]["compiles"] > 0
+
+
+def test_default_baseline_is_the_cards_own():
+    """Each card judged against its own committed baseline: an H100's figures never against the H200's."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import gpu_smoke
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    assert gpu_smoke.default_baseline("NVIDIA H200").name == "baseline_h200.json"
+    assert gpu_smoke.default_baseline("NVIDIA H100 80GB HBM3").name == "baseline_h100.json"
+    assert gpu_smoke.default_baseline("cpu").name == "baseline_cpu.json"
+    assert gpu_smoke.default_baseline("NVIDIA H200").exists()  # the committed one

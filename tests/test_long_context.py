@@ -203,6 +203,13 @@ def test_long_context_benchmark_runs_end_to_end_at_toy_sizes(tmp_path):
     s = res["stall"]
     assert s["long_finished"] and s["baseline_gaps"] > 0 and s["during_gaps"] > 0
     assert s["compiles_during"] == 0
+    # The step trace: every phase timed, the phases inside the wall, mixed programs during the prompt.
+    for when in ("before", "during"):
+        ph = s[f"step_phases_{when}"]
+        assert ph["calls"] > 0 and sum(ph["programs"].values()) == ph["calls"]
+        parts = sum(ph[f"{k}_ms"]["mean"] for k in long_context.StepTrace.PHASES)
+        assert 0 < parts <= ph["wall_ms"]["mean"] * 1.001
+    assert any(int(k.split("/")[0]) > s["decoders"] for k in s["step_phases_during"]["programs"])
     assert s["itl_p99_during_ms"] >= s["itl_p50_during_ms"] > 0
     # The cap cut the long prompt's chunks below chunk_size while the decoders ran.
     assert s["long_chunk_tokens"]["last"] < s["chunk_size"]
