@@ -185,7 +185,7 @@ def sec_kernel(args, res: dict, left) -> None:
 
 
 # ------------------------------------------------------------------------------------------ (a), (b)
-def drive(eng: Engine, until, record: list | None = None, trace: "StepTrace | None" = None) -> None:
+def drive(eng: Engine, until, record: list | None = None, trace: StepTrace | None = None) -> None:
     """Step until `until()`; `record` gets (clock, tokens, rows) per dispatched step; `trace` (if given)
     times each `eng.step()` call's phases."""
     while not until():
