@@ -323,9 +323,11 @@ def main() -> None:
                             for r in res["loads"] if r["requests"] in (64, max_req) and "compiler_options" not in r
                             and r.get("compiles_during", 0) != 0]
     save()
-    st = res["engine_stats"]
-    print(f"\ndevice {res['device']}  copy {res['copy_bw_gbs']:.0f} GB/s  weights built in {res['weights_s']:.0f} s  "
-          f"engine compiles {st['compiles']} programs in {st['compile_s']:.0f} s (excluded from the figures)")
+    st = res.get("engine_stats")  # absent when no load ran (no engine was built)
+    compiled = (f"  engine compiles {st['compiles']} programs in {st['compile_s']:.0f} s (excluded from the figures)"
+                if st else "  no engine built")
+    print(f"\ndevice {res['device']}  copy {res['copy_bw_gbs']:.0f} GB/s  weights built in {res['weights_s']:.0f} s"
+          + compiled)
     print(f"{'bare batch':>10} {'step ms':>8} {'min':>6} {'max':>6} {'floor':>6} {'ratio':>6}")
     for r in res["bare"]:
         print(f"{r['batch']:>10} {r['median_ms']:>8.2f} {r['min_ms']:>6.2f} {r['max_ms']:>6.2f} {r['floor_ms']:>6.2f} "
