@@ -597,6 +597,64 @@ def sec_stallparts(args, res: dict, eng: Engine, cfg, left) -> None:
     out["s"] = time.perf_counter() - t0
 
 
+def seed_prefix(eng: Engine, tokens: list[int], n_tokens: int) -> None:
+    """Publish the first `n_tokens` (whole pages) of `tokens` in the engine's prefix cache, on pages that
+    hold whatever they hold: a request with this prompt is then admitted with them computed (a benchmark
+    shortcut to a long request's midpoint without its prefill; the values are not these tokens')."""
+    ps = eng.pool.page_size
+    pages = eng.pool.allocate(n_tokens // ps)
+    eng.pool.register(tokens[:len(pages) * ps], pages)
+    eng.pool.release(pages)  # idle and cached: taken back by the admission's match_prefix
+
+
+def sec_stallloop(args, res: dict, eng: Engine, cfg, left) -> None:
+    """The engine loop itself at one stallparts case: the decoders and the long request are admitted from
+    the prefix cache (`seed_prefix`) at --decode-ctx and at the case's prefix P, then `Engine.step()` runs
+    --parts-engine-steps times without and with the long request (its chunks as the scheduler sizes them),
+    each call's phases timed (StepTrace). Beside stallparts' step program for the same rows, this says
+    whether a step of (b) costs its program's time or more (host, pipeline, transfers)."""
+    cases = [(c, p) for c, p in parse_cases(args.parts_cases) if p > args.decode_ctx]
+    if not cases or args.parts_engine_steps <= 0:
+        return
+    _, prefix = cases[0]
+    prefix -= prefix % eng.pool.page_size
+    rng = np.random.default_rng(11)
+    vocab, n = cfg.vocab_size, args.parts_engine_steps
+    prompts = [rng.integers(2, vocab, args.decode_ctx + 1).tolist() for _ in range(args.decoders)]
+    for pr in prompts:
+        seed_prefix(eng, pr, args.decode_ctx)
+    c0 = eng.stats["compiles"]
+    rids = [eng.add_request(pr, max_new_tokens=2 * n + 16) for pr in prompts]
+    live = lambda: [r for r in eng.running if r.rid in rids]  # noqa: E731
+    drive(eng, lambda: len(live()) == len(rids) and all(len(r.output) >= 2 for r in live()))
+    trace = StepTrace(eng)
+    try:
+        steps0: list = []
+        t0 = eng.clock()
+        drive(eng, lambda: len(steps0) >= n, steps0, trace)
+        t1 = eng.clock()
+        cap = chunk_tokens_within(prefix, eng.cfg.prefill_attention_pairs)
+        long_prompt = rng.integers(2, vocab, prefix + cap * (n + 8) + 1).tolist()
+        seed_prefix(eng, long_prompt, prefix)
+        long_rid = eng.add_request(long_prompt, max_new_tokens=1)
+        steps1: list = []
+        drive(eng, lambda: len(steps1) >= n + 1 or long_rid in eng.finished, steps1, trace)
+        t2 = eng.clock()
+    finally:
+        trace.close()
+    long_req = next((r for r in eng.running if r.rid == long_rid), None)
+    out = {"prefix": prefix, "decoders": args.decoders, "steps": n, "cap_chunk_at_prefix": cap,
+           "long_cached_tokens": long_req.cached_tokens if long_req else None,
+           "long_computed_at_end": long_req.computed if long_req else None,
+           "chunk_tokens": [t - (r - 1) for _, t, r in steps1 if r > args.decoders],
+           "compiles_during": eng.stats["compiles"] - c0,
+           "decode_only": trace.summary(t0, t1), "with_long": trace.summary(t1, t2)}
+    for rid in [*rids, long_rid]:
+        eng.cancel(rid)
+    res["stallloop"] = out
+    print("stallloop", out, flush=True)
+
+
 # ------------------------------------------------------------------------------------------ main
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line, with --tiny's toy sizes applied."""
@@ -627,6 +685,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "the chunk under half the cap; 1 and a short prefix separate the step's shape from the "
                          "long prefix")
     ap.add_argument("--parts-calls", type=int, default=20, help="stallparts: calls per GPU-time trace")
+    ap.add_argument("--parts-engine-steps", type=int, default=48,
+                    help="stallparts: Engine.step() calls timed at the first case with a prefix past --decode-ctx, "
+                         "without and with the long request (0: none)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--budget-s", type=float, default=285.0, help="skip what no longer fits after this")
     ap.add_argument("--tasks", default="kernel,long,stall", help="kernel, long, stall, stallparts (comma-separated)")
@@ -699,6 +760,10 @@ def main(argv: list[str] | None = None) -> int:
                 sec_stallparts(a, res, eng, cfg, left)
             except Exception as e:  # noqa: BLE001 - record it
                 res["stallparts_error"] = repr(e)[:400]
+            try:
+                sec_stallloop(a, res, eng, cfg, left)
+            except Exception as e:  # noqa: BLE001 - record it
+                res["stallloop_error"] = repr(e)[:400]
         save()
     rng = np.random.default_rng(0)
     # (a) below the stall's long prompt first (their TTFTs size what fits), then (b), then the rest of (a).
@@ -817,6 +882,17 @@ def report_parts(res: dict) -> None:
               f"{f(d_step, 7)} {f(d_att, 9)} {f(share, 10)}"
               + (f"  {c.get('attention_error', '')}{c.get('step_error', '')}"[:160]
                  if "attention_error" in c or "step_error" in c else ""))
+    loop = res.get("stallloop")
+    if "stallloop_error" in res:
+        print("stallloop error:", res["stallloop_error"][:300])
+    if loop:
+        ch = loop["chunk_tokens"]
+        print(f"engine loop at prefix {loop['prefix']:,} ({loop['steps']} Engine.step() calls each, host clock ms, "
+              f"p50): decode only {loop['decode_only']['wall_ms']['p50']:.2f} | with the long request "
+              f"{loop['with_long']['wall_ms']['p50']:.2f} (chunks {min(ch, default=0)}-{max(ch, default=0)} tokens; "
+              f"schedule {loop['with_long']['schedule_ms']['p50']:.2f}, build {loop['with_long']['build_ms']['p50']:.2f}, "
+              f"execute {loop['with_long']['execute_ms']['p50']:.2f}, commit {loop['with_long']['commit_ms']['p50']:.2f}); "
+              f"programs {loop['with_long']['programs']}")
 
 
 if __name__ == "__main__":

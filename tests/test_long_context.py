@@ -240,6 +240,17 @@ def test_stallparts_runs_at_toy_sizes(tmp_path):
     # The mixed step runs the larger program, a one-token chunk still fits the decode program.
     assert m["program"][0] > cases["decode"]["program"][0] == cases["1@384"]["program"][0]
     assert {tuple(x) for x in p["programs"]} == {tuple(c["program"]) for c in p["cases"]}
+    # The engine loop at the first long case: the long request admitted from the prefix cache at its
+    # prefix, its chunks sized by the cap there, every step on the two programs above.
+    loop = res["stallloop"]
+    assert "stallloop_error" not in res and loop["prefix"] == 384 and loop["long_cached_tokens"] == 384
+    assert loop["chunk_tokens"] and loop["chunk_tokens"][0] == loop["cap_chunk_at_prefix"] == 10
+    assert all(1 <= c <= 10 for c in loop["chunk_tokens"])
+    assert loop["long_computed_at_end"] == 384 + sum(loop["chunk_tokens"])
+    assert loop["decode_only"]["calls"] >= loop["steps"] and loop["with_long"]["calls"] >= loop["steps"]
+    assert loop["compiles_during"] == 0
+    assert {tuple(int(x) for x in k.split("/")) for k in loop["with_long"]["programs"]} <= \
+        {tuple(x) for x in p["programs"]}
 
 
 def test_stallparts_attention_lowers_for_hopper_at_real_shapes(monkeypatch):
