@@ -206,15 +206,29 @@ class StepTrace:
     engine's methods on this instance only (benchmark instrumentation; the engine is not changed), plus
     the program each step ran (its StepKey's token and row capacities)."""
 
-    PHASES = ("schedule", "build", "execute", "commit")
+    PHASES = ("schedule", "build", "execute", "wait", "commit")
 
     def __init__(self, eng: Engine):
         self.rows: list[dict] = []
         self._cur: dict = {}
+        self._wrapped: list[tuple[object, str]] = []
         self._wrap(eng.sched, "schedule", "schedule")
         self._wrap(eng, "_execute", "execute")
         self._wrap(eng, "_commit", "commit")
+        self._wait_before_commit(eng)
         self._wrap_build()
+
+    def _wait_before_commit(self, eng: Engine) -> None:
+        """Split the commit: "wait" is the block on the step's outputs (the device finishing it), "commit"
+        the host work after (unpacking, the rows' bookkeeping, page registration)."""
+        timed_commit = eng._commit
+
+        def commit(inflight, *a, **k):
+            t0 = time.perf_counter()
+            jax.block_until_ready(inflight[2][0])  # the step's int outputs (what _commit reads first)
+            self._cur["wait"] = self._cur.get("wait", 0.0) + time.perf_counter() - t0
+            return timed_commit(inflight, *a, **k)
+        eng._commit = commit
 
     def _timed(self, fn, phase: str):
         @functools.wraps(fn)
@@ -228,6 +242,7 @@ class StepTrace:
 
     def _wrap(self, obj, name: str, phase: str) -> None:
         setattr(obj, name, self._timed(getattr(obj, name), phase))
+        self._wrapped.append((obj, name))
 
     def _wrap_build(self) -> None:
         # core.py calls `step.build` through the module: patched for the trace's life (close() restores).
@@ -241,7 +256,10 @@ class StepTrace:
         step_mod.build = build
 
     def close(self) -> None:
+        """Restore the engine (its instance attributes shadow the class's methods) and `step.build`."""
         self._step_mod.build = self._build
+        for obj, name in self._wrapped:
+            obj.__dict__.pop(name, None)
 
     def begin(self) -> None:
         self._cur = {"t0": time.perf_counter()}
@@ -891,7 +909,8 @@ def report_parts(res: dict) -> None:
               f"p50): decode only {loop['decode_only']['wall_ms']['p50']:.2f} | with the long request "
               f"{loop['with_long']['wall_ms']['p50']:.2f} (chunks {min(ch, default=0)}-{max(ch, default=0)} tokens; "
               f"schedule {loop['with_long']['schedule_ms']['p50']:.2f}, build {loop['with_long']['build_ms']['p50']:.2f}, "
-              f"execute {loop['with_long']['execute_ms']['p50']:.2f}, commit {loop['with_long']['commit_ms']['p50']:.2f}); "
+              f"execute {loop['with_long']['execute_ms']['p50']:.2f}, wait {loop['with_long']['wait_ms']['p50']:.2f}, "
+              f"commit {loop['with_long']['commit_ms']['p50']:.2f}); "
               f"programs {loop['with_long']['programs']}")
 
 

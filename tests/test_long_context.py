@@ -249,6 +249,7 @@ def test_stallparts_runs_at_toy_sizes(tmp_path):
     assert loop["long_computed_at_end"] == 384 + sum(loop["chunk_tokens"])
     assert loop["decode_only"]["calls"] >= loop["steps"] and loop["with_long"]["calls"] >= loop["steps"]
     assert loop["compiles_during"] == 0
+    assert loop["with_long"]["wait_ms"]["p50"] >= 0 and loop["with_long"]["commit_ms"]["p50"] > 0
     assert {tuple(int(x) for x in k.split("/")) for k in loop["with_long"]["programs"]} <= \
         {tuple(x) for x in p["programs"]}
 
@@ -299,3 +300,38 @@ def test_stallparts_attention_lowers_for_hopper_at_real_shapes(monkeypatch):
         assert "mosaic_gpu" in text, f"{name}: no Mosaic GPU kernel in the lowered attention"
         lowered.add(n)
     assert lowered == {40, 128}
+
+
+def test_step_trace_splits_the_wait_and_restores_the_engine():
+    """StepTrace times the block on a step's outputs apart from the commit's host work, and close() leaves
+    the engine's methods (and step.build) as they were, so a second trace does not count twice."""
+    import jax.numpy as jnp
+
+    long_context = _long_context()
+    from dsv3_jax.engine import step as step_mod
+
+    class Sched:
+        def schedule(self):
+            return []
+
+    class Eng:
+        def __init__(self):
+            self.sched, self.committed = Sched(), []
+
+        def _execute(self, batch):
+            return batch
+
+        def _commit(self, inflight):
+            self.committed.append(inflight)
+            return []
+
+    eng, build = Eng(), step_mod.build
+    trace = long_context.StepTrace(eng)
+    trace.begin()
+    eng.sched.schedule()
+    eng._commit((None, [], (jnp.zeros(3), None)))
+    trace._cur["clock"] = 1.0
+    assert set(trace._cur) >= {"schedule", "wait", "commit"} and len(eng.committed) == 1
+    trace.close()
+    assert "_commit" not in vars(eng) and "_execute" not in vars(eng) and "schedule" not in vars(eng.sched)
+    assert step_mod.build is build
