@@ -1,7 +1,8 @@
 """Quality of the FP8 latent KV cache (issue 28) on the embedded default model's held-out split.
 
 Held-out perplexity with the KV cache in the compute dtype, in bf16 and in FP8 (pallas_kernels/mla_common's
-format: latent e4m3 with an fp32 scale per 128 values, rope bf16), each computed by prefilling every
+format: latent e4m3 with an fp32 scale per 128 values, rope bf16; and the same with the scales rounded up
+to powers of two, UE8M0, the issue's alternative), each computed by prefilling every
 window through a fresh paged absorbed cache of that dtype, so every key and value attention reads comes
 from the cache (same windows for all rows); then greedy continuations of held-out prompts through the
 engine, bf16 cache vs FP8 cache (tokens identical up to the first divergence, and in all).
@@ -17,7 +18,9 @@ length) at evenly spaced offsets. Perplexity = exp(mean next-token cross-entropy
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import functools
 import json
 import math
 import platform
@@ -38,6 +41,7 @@ from dsv3_jax.model import kv_cache, layout  # noqa: E402
 from dsv3_jax.text.tokenizer import Tokenizer  # noqa: E402
 
 WINDOW = 512
+UE8M0_ROW = "fp8, UE8M0 scales (power-of-two; stored fp32 here)"
 
 
 def heldout_stream() -> np.ndarray:
@@ -67,6 +71,21 @@ def ce_fn(handle, cache_dtype):
         return jax.nn.logsumexp(lg, axis=-1) - tgt
 
     return jax.jit(f)
+
+
+@contextlib.contextmanager
+def pow2_kv_scales():
+    """The cache write's quantization (`mla_common.quantize_kv`, looked up when the step is traced) with
+    its scales rounded up to powers of two (UE8M0, as the weights' V3.1 scales are), for one measurement:
+    the product keeps fp32 scales. Each `ce_fn` call traces anew, so the patch reaches the program."""
+    from pallas_kernels import mla_common
+
+    real = mla_common.quantize_kv
+    mla_common.quantize_kv = functools.partial(real, pow2_scales=True)
+    try:
+        yield
+    finally:
+        mla_common.quantize_kv = real
 
 
 def perplexity(handle, wins: np.ndarray, cache_dtype, batch: int) -> tuple[float, np.ndarray]:
@@ -104,11 +123,13 @@ def main() -> None:
     wins = windows(stream, a.windows)
     rows = []
     caches = [(f"{dtype} (compute dtype)", jnp.dtype(dtype))] if dtype != "bfloat16" else []
-    caches += [("bf16", jnp.dtype(jnp.bfloat16)), ("fp8 (e4m3 latent, fp32 scales / 128, bf16 rope)", layout.FP8)]
+    caches += [("bf16", jnp.dtype(jnp.bfloat16)), ("fp8 (e4m3 latent, fp32 scales / 128, bf16 rope)", layout.FP8),
+               (UE8M0_ROW, layout.FP8)]
     ces = {}
     for name, cdt in caches:
         t0 = time.perf_counter()
-        p, ce = perplexity(h, wins, cdt, a.batch)
+        with pow2_kv_scales() if name == UE8M0_ROW else contextlib.nullcontext():
+            p, ce = perplexity(h, wins, cdt, a.batch)
         ces[name] = ce
         rows.append({"cache": name, "ppl": p, "tokens": int(ce.size), "seconds": time.perf_counter() - t0,
                      "bytes_per_token_per_layer": layout.bytes_per_token(h.config, "absorbed", cdt)

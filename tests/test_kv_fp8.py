@@ -431,3 +431,33 @@ def test_fp8_cache_write_lands_each_token_and_clears_to_zeros():
     cleared = cleared[layout.MOE_LAYERS]
     back = np.asarray(dequantize_kv(Fp8Pages(*(cleared[n] for n in layout.FP8_LEAVES)), rope))
     assert not back[:, [1, 3]].any() and np.array_equal(back[1, 2], want[1, 2])
+
+
+def test_quality_benchmark_ue8m0_patch_reaches_the_cache_write():
+    """benchmarks/kv_fp8_quality.py's UE8M0 row measures what it names: inside `pow2_kv_scales` the cache
+    write (`kv_cache.latent_rows`, traced afresh) stores power-of-two scales, outside it the product's fp32
+    amax / 448 scales, and the patch is undone afterwards."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import kv_fp8_quality
+
+    from pallas_kernels import mla_common
+
+    pool = {name: None for name in layout.FP8_LEAVES}
+    latent = _latents(jax.random.key(5), (2, 3, LATENT_DIM))
+    rope = jax.random.normal(jax.random.key(6), (2, 3, ROPE_DIM))
+
+    def scales():
+        rows = jax.jit(lambda x, r: kv_cache.latent_rows(x, r, pool))(latent, rope)
+        return np.asarray(rows[layout.FP8_SCALE])
+
+    real = mla_common.quantize_kv
+    plain = scales()
+    with kv_fp8_quality.pow2_kv_scales():
+        pow2 = scales()
+    assert mla_common.quantize_kv is real
+    assert np.all(np.exp2(np.round(np.log2(pow2))) == pow2)  # every scale a power of two
+    assert not np.all(np.exp2(np.round(np.log2(plain))) == plain)
+    assert np.all(pow2 >= plain) and np.all(pow2 < 2 * plain)  # rounded up, less than a binade
