@@ -11,11 +11,13 @@ imported). Measures, in one run:
   * `--kv-cache-dtype fp8` (issue 28 item 4): the same loads with the FP8 latent cache (EngineConfig.
     kv_cache_dtype); run it beside a bf16 run (`--kv-cache-dtype bf16`) for the table, e.g. `--prompt 4096
     --batches 64,256`. The task "largest batch at --fit-context" sizes the pool with `dsv3_jax.plan.pool_plan`
-    for one device at that context (the slice's weights, this dtype) and runs that many requests at once
-    (prompt = context - new), so the bf16 and fp8 runs show the concurrency each cache buys;
+    for one device at that context (the slice's weights, this dtype) and times the bare decode step at that
+    batch over full contexts, so the bf16 and fp8 runs show the concurrency each cache buys;
   * optionally (--xla-variants) the bare batch-1 step under other XLA command-buffer flags, each in a
     subprocess (the flags are read when the backend starts).
-Compile time is reported apart: the engine's `warmup()` runs before the first load (seconds per compiled
+The engine (and its page pool) is built at the first load, so bare and largest-fit cases that run before
+it have the device's memory to themselves. Compile time is reported apart: the engine's `warmup()` runs
+before the first load (seconds per compiled
 shape in the JSON's `warmup`), and the 64- and max-batch-request loads must compile nothing after it (the
 run exits non-zero if one did; any compile during a load is in its row). Greedy decoding, EOS off.
 Prints a table last and writes JSON (--out). --tiny runs the same code on CPU with a tiny config.
