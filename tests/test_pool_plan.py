@@ -106,3 +106,41 @@ def test_engine_pool_sized_by_the_plan(tmp_path):
     per_dev = sum(s.data.nbytes for x in jax.tree.leaves(eng.executor.cache) for s in x.addressable_shards
                   if s.device == jax.devices()[0])
     assert per_dev == p.kv_bytes_per_device
+
+
+def test_cli_plan_counts_the_fp8_cache_as_read_by_the_kernel():
+    """The CLIs' pool (parallel_cli.engine_plan) reserves attention scores over the context only where the
+    jnp reference reads the cache: an FP8 cache goes to the FP8-page kernel as a bf16 one goes to the bf16
+    kernel, so both plans reserve the same activations and the FP8 pool holds >= 1.7x the tokens. Before,
+    the FP8 plan reserved scores at 163,840 tokens (the 5-layer slice, one 141 GB device: ~170 GB), and the
+    CLIs refused to start."""
+    import argparse
+    from types import SimpleNamespace
+
+    from dsv3_jax import api
+    from dsv3_jax.parallel import flags as parallel_cli
+
+    cfg = ModelConfig.preset("deepseek-v3").replace(num_hidden_layers=5, first_k_dense_replace=1,
+                                                   num_nextn_predict_layers=0)
+
+    def handle(kernels="pallas", attention="absorbed", config=cfg):
+        options = SimpleNamespace(kernels=kernels)
+        return SimpleNamespace(config=config, attention=attention, mesh=None,
+                               params=api._planned_shapes(config), trace_options=options)
+
+    assert parallel_cli.attention_kernel_serves(handle(), "fp8")
+    assert parallel_cli.attention_kernel_serves(handle(), "bf16")
+    assert not parallel_cli.attention_kernel_serves(handle(kernels="reference"), "fp8")
+    assert not parallel_cli.attention_kernel_serves(handle(attention="naive"), "bf16")
+    assert not parallel_cli.attention_kernel_serves(handle(config=TINY), "fp8")  # widths the kernel refuses
+    assert not parallel_cli.attention_kernel_serves(handle(config=cfg.replace(dtype="float32")), "auto")
+
+    plans = {}
+    for dt in ("bf16", "fp8"):
+        args = argparse.Namespace(device_memory="141GB", max_model_len=163840, memory_fraction=0.9,
+                                  max_batch=None, max_batched_tokens=None, kv_cache_dtype=dt)
+        plans[dt] = parallel_cli.engine_plan(handle(), args)
+    bf16, fp8 = plans["bf16"], plans["fp8"]
+    assert fp8.activation_bytes_per_device == bf16.activation_bytes_per_device < 4e9
+    assert fp8.kv_tokens_per_shard >= 1.7 * bf16.kv_tokens_per_shard
+    assert fp8.max_requests >= 1.7 * bf16.max_requests >= 1.7

@@ -116,6 +116,15 @@ def mla_attention(q_latent: jax.Array, q_rope: jax.Array, kv_pages: Any, block_t
                                softmax_scale=softmax_scale, use_kernel=pallas and fits)
 
 
+def mla_kernel_serves(latent: int, rope: int, page_size: int, backend: str) -> bool:
+    """Whether `mla_attention` runs the Pallas kernel for a bf16 cache or FP8 pages of these widths and page
+    size under `backend` (what a memory plan needs: the reference materializes scores over the context,
+    the kernel never does). The same width rule `mla_attention` applies to the arrays."""
+    from pallas_kernels.mla_common import kernel_shape_error
+
+    return _pallas(backend) and kernel_shape_error(latent, rope, (0, page_size, latent + rope)) is None
+
+
 @functools.cache
 def _log_mla_shape_fallback(latent: tuple[int, ...], dtype: str) -> None:
     log.warning("kernel dispatch: MLA kernel needs latent 512 + rope 64, 64-token pages, bf16; got "

@@ -215,10 +215,25 @@ def engine_plan(handle: Any, args: argparse.Namespace, *, spec_k: int = 0) -> An
         form=handle.attention, cache_dtype=getattr(args, "kv_cache_dtype", "auto"), mtp=bool(spec_k),
         max_batched_tokens=getattr(args, "max_batched_tokens", None) or 2048,
         max_batch=getattr(args, "max_batch", None) or 256, params_or_shapes=handle.params,
-        # the Pallas MLA kernel never materializes scores over the context (plan.activation_estimate); an
-        # FP8 cache is read by the jnp reference (kernel_dispatch) until the kernel takes FP8 pages
-        attention_kernel=handle.trace_options.kernels == "pallas" and handle.attention == "absorbed"
-        and getattr(args, "kv_cache_dtype", "auto") != "fp8")
+        attention_kernel=attention_kernel_serves(handle, getattr(args, "kv_cache_dtype", "auto")))
+
+
+def attention_kernel_serves(handle: Any, kv_cache_dtype: str | None) -> bool:
+    """Whether the engine's attention over this handle's cache runs the Pallas MLA kernel, which never
+    materializes scores over the context (plan.activation_estimate counts them otherwise): the absorbed
+    form, kernels "pallas", DeepSeek's widths, and a bf16 cache or FP8 pages (the FP8-page kernel, issue
+    28; counting an FP8 cache as the reference reserved 22.6 GB a device for scores at 163,840 tokens on
+    tensor=8, against 1.2 GB)."""
+    import jax.numpy as jnp
+
+    from dsv3_jax.model import kernel_dispatch, layout
+    from dsv3_jax.model import kv_cache as cache
+
+    cfg = handle.config
+    dtype = layout.kv_cache_dtype(cfg, kv_cache_dtype)
+    return (handle.attention == "absorbed" and (layout.is_fp8(dtype) or dtype == jnp.bfloat16)
+            and kernel_dispatch.mla_kernel_serves(cfg.kv_lora_rank, cfg.qk_rope_head_dim, cache.PAGE_SIZE,
+                                                  handle.trace_options.kernels))
 
 
 def engine_defaults(handle: Any, args: argparse.Namespace, *, spec_k: int = 0) -> dict[str, int]:
