@@ -59,9 +59,7 @@ class ModelHandle:
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_FORMS:
             raise ValueError(f"attention must be one of {ATTENTION_FORMS}, got {self.attention!r}")
-        if self.kv_cache_dtype not in layout.KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {layout.KV_CACHE_DTYPES}, "
-                             f"got {self.kv_cache_dtype!r}")
+        self.kv_cache_dtype = layout.canonical_kv_cache_dtype(self.kv_cache_dtype)
         if self.kv_cache_dtype == "fp8" and self.attention != "absorbed":
             raise ValueError("kv_cache_dtype 'fp8' needs attention='absorbed': the naive form caches "
                              "per-head K/V, the FP8 cache is the absorbed form's latent")
@@ -229,8 +227,7 @@ def load(path: str | Path | None = None, *, mesh: Any = None, attention: str = "
     an `EngineConfig.kv_cache_dtype` overrides it) and of the plan checked here; "fp8" stores the latent
     in e4m3 with per-128 scales and the rope in bf16 (656 instead of 1,152 B per token per layer).
     """
-    if kv_cache_dtype not in layout.KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype must be one of {layout.KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+    kv_cache_dtype = layout.canonical_kv_cache_dtype(kv_cache_dtype)
     if trace_options is not None and kernels is not None:
         raise ValueError("pass kernels or trace_options, not both (TraceOptions.kernels is the backend)")
     options = trace_options if trace_options is not None else TraceOptions.resolve(kernels)

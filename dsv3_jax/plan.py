@@ -243,18 +243,17 @@ def plan(cfg: ModelConfig, mesh: str | Mapping[str, int] | Any, *, dtype: str = 
                 weight_bytes_total=total, weight_bytes_per_device=per_dev, replicated_bytes_per_device=rep,
                 kv_bytes_per_token=layout.bytes_per_token(cfg, "absorbed",
                                                           _cache_dtype(dtype, kv_cache_dtype)),
-                kv_cache_dtype=kv_cache_dtype,
+                kv_cache_dtype=layout.canonical_kv_cache_dtype(kv_cache_dtype),
                 batch_shards=sharding.mesh_size(sharding.LOGICAL_RULES["batch"], sizes))
 
 
 def _cache_dtype(weights: str, kv_cache_dtype: str) -> Any:
     """The cache dtype (as layout.cache_layout takes it) of `kv_cache_dtype` for weights stored as
     `weights`: "auto" is bf16, fp32 for fp32 weights."""
+    kv_cache_dtype = layout.canonical_kv_cache_dtype(kv_cache_dtype)
     if kv_cache_dtype == "auto":
         return jnp.float32 if weights == "fp32" else jnp.bfloat16
-    if kv_cache_dtype not in layout.KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype must be one of {layout.KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
-    return layout.FP8 if kv_cache_dtype == "fp8" else jnp.bfloat16
+    return layout.FP8 if kv_cache_dtype == layout.FP8 else jnp.bfloat16
 
 
 DEFAULT_MEMORY_FRACTION = 0.90  # like vLLM's --gpu-memory-utilization: weights + activations + KV pages
@@ -374,7 +373,9 @@ def pool_plan(cfg: ModelConfig, mesh: str | Mapping[str, int] | Any, *, dtype: s
     weights = plan(cfg, mesh, dtype=dtype, max_seq_len=max_model_len, device_memory=device_memory,
                    reserve=0, params_or_shapes=params_or_shapes, include_mtp=include_mtp)
     sizes, d = weights.mesh, weights.batch_shards
-    kv_name = cache_dtype if isinstance(cache_dtype, str) and cache_dtype in layout.KV_CACHE_DTYPES else None
+    named = isinstance(cache_dtype, str) and (cache_dtype in layout.KV_CACHE_DTYPES
+                                              or cache_dtype in layout.KV_CACHE_DTYPE_ALIASES)
+    kv_name = layout.canonical_kv_cache_dtype(cache_dtype) if named else None
     if kv_name is not None:  # "auto": the compute dtype, as the engine allocates it
         cache_dtype = None if kv_name == "auto" else _cache_dtype(dtype, kv_name)
     two_pages_each = layout.cache_layout(cfg, 2 * d, page_size, form, cache_dtype, mtp)
@@ -417,7 +418,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--reserve", type=float, default=DEFAULT_RESERVE_FRACTION,
                     help="kept free for activations/workspace: a fraction (<1) or bytes")
     ap.add_argument("--no-mtp", action="store_true", help="leave out the MTP layer's weights")
-    ap.add_argument("--kv-cache-dtype", default="auto", choices=layout.KV_CACHE_DTYPES,
+    from dsv3_jax.parallel.flags import kv_cache_dtype_arg
+
+    ap.add_argument("--kv-cache-dtype", default="auto", type=kv_cache_dtype_arg, metavar="{auto,bf16,fp8}",
                     help="KV cache: auto (bf16; fp32 for fp32 weights), bf16, or fp8 (e4m3 latent with "
                          "per-128 scales + bf16 rope: 656 instead of 1,152 B per token per layer)")
     a = ap.parse_args(argv)

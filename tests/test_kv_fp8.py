@@ -124,6 +124,32 @@ def test_bad_values_are_refused_in_one_line():
         EngineConfig(kv_cache_dtype="fp16")
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         layout.kv_cache_dtype(CFG, "int8")
+    with pytest.raises(ValueError, match="stores e4m3: use fp8"):
+        EngineConfig(kv_cache_dtype="fp8_e5m2")
+
+
+def test_vllm_names_for_the_cache_dtypes():
+    """vLLM's --kv-cache-dtype names (fp8_e4m3: what its fp8 means on CUDA; bfloat16) mean our fp8 and bf16
+    everywhere a cache dtype is named: the CLIs' flag, EngineConfig, the handle, the plan."""
+    import argparse
+
+    from dsv3_jax.parallel import flags as parallel_cli
+
+    ap = argparse.ArgumentParser()
+    parallel_cli.add_flags(ap)
+    assert ap.parse_args(["--kv-cache-dtype", "fp8_e4m3"]).kv_cache_dtype == "fp8"
+    assert ap.parse_args(["--kv-cache-dtype", "bfloat16"]).kv_cache_dtype == "bf16"
+    with pytest.raises(SystemExit):
+        ap.parse_args(["--kv-cache-dtype", "fp8_e5m2"])
+    assert EngineConfig(kv_cache_dtype="fp8_e4m3").kv_cache_dtype == "fp8"
+    assert ModelHandle(CFG, {}, "absorbed", kv_cache_dtype="bfloat16").kv_cache_dtype == "bf16"
+    with pytest.raises(ValueError, match="absorbed"):
+        ModelHandle(CFG, {}, "naive", kv_cache_dtype="fp8_e4m3")
+    assert layout.kv_cache_dtype(CFG, "fp8_e4m3") == layout.FP8
+    p8 = plan.plan(V3, "tensor=8", device_memory="141GB", kv_cache_dtype="fp8_e4m3")
+    assert p8.kv_cache_dtype == "fp8"
+    assert p8.kv_bytes_per_token == plan.plan(V3, "tensor=8", device_memory="141GB",
+                                              kv_cache_dtype="fp8").kv_bytes_per_token
 
 
 def test_reference_reads_fp8_pages_as_their_dequantized_values():

@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from dsv3_jax.model.kv_cache import PAGE_SIZE
-from dsv3_jax.model.layout import KV_CACHE_DTYPES
+from dsv3_jax.model.layout import canonical_kv_cache_dtype
 
 MAX_LOGPROBS = 20  # top alternatives a request may ask for per token (OpenAI's bound)
 
@@ -78,9 +78,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         self.token_buckets = tuple(int(t) for t in self.token_buckets)
         self.row_buckets = tuple(int(r) for r in self.row_buckets)
-        if self.kv_cache_dtype is not None and self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES} (or None), "
-                             f"got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype is not None:
+            self.kv_cache_dtype = canonical_kv_cache_dtype(self.kv_cache_dtype)
 
 
 @dataclasses.dataclass

@@ -300,20 +300,30 @@ def token_shapes(cfg: ModelConfig, form: str = "absorbed") -> dict[str, tuple[in
 
 
 KV_CACHE_DTYPES = ("auto", "bf16", "fp8")  # EngineConfig.kv_cache_dtype / --kv-cache-dtype (vLLM's names)
+# Other names vLLM users type for the same caches (vLLM's fp8 on CUDA is e4m3), and dtype spellings.
+KV_CACHE_DTYPE_ALIASES = {"bfloat16": "bf16", "fp8_e4m3": "fp8", "float8_e4m3fn": "fp8"}
 FP8 = "fp8"  # the FP8 latent cache: `FP8_LEAVES` (pallas_kernels.mla_common's format)
+
+
+def canonical_kv_cache_dtype(name: str) -> str:
+    """`name` as one of `KV_CACHE_DTYPES` (aliases mapped); ValueError naming the value otherwise."""
+    if name in KV_CACHE_DTYPES:
+        return name
+    if name in KV_CACHE_DTYPE_ALIASES:
+        return KV_CACHE_DTYPE_ALIASES[name]
+    why = " (the FP8 cache stores e4m3: use fp8)" if isinstance(name, str) and "e5m2" in name else ""
+    raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)} (or "
+                     f"{', '.join(KV_CACHE_DTYPE_ALIASES)}), got {name!r}{why}")
 
 
 def kv_cache_dtype(cfg: ModelConfig, name: str | None) -> Any:
     """The cache dtype that `--kv-cache-dtype` / `EngineConfig.kv_cache_dtype` `name` means for `cfg`:
     "auto" (or None) the model's compute dtype, "bf16" bfloat16, "fp8" the FP8 latent format (`FP8`,
     which `cache_layout` takes as its dtype). ValueError naming the value otherwise."""
-    if name is None or name == "auto":
+    name = canonical_kv_cache_dtype("auto" if name is None else name)
+    if name == "auto":
         return jnp.dtype(cfg.dtype)
-    if name in ("bf16", "bfloat16"):
-        return jnp.dtype(jnp.bfloat16)
-    if name in (FP8, "fp8_e4m3", "float8_e4m3fn"):
-        return FP8
-    raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {name!r}")
+    return FP8 if name == FP8 else jnp.dtype(jnp.bfloat16)
 
 
 def is_fp8(dtype: Any) -> bool:

@@ -57,9 +57,10 @@ def add_flags(parser: argparse.ArgumentParser, *, engine_sizing: bool = True) ->
                        help="sequences per engine step")
         g.add_argument("--max-num-batched-tokens", "--max-batched-tokens", dest="max_batched_tokens",
                        type=int, metavar="N", help="tokens per engine step")
-    g.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "bf16", "fp8"),
+    g.add_argument("--kv-cache-dtype", default="auto", type=kv_cache_dtype_arg, metavar="{auto,bf16,fp8}",
                    help="KV cache: auto (the model's dtype), bf16, or fp8 (latent e4m3 with per-128 scales + "
-                        "rope bf16: 656 instead of 1,152 B per token per layer, ~1.75x the tokens)")
+                        "rope bf16: 656 instead of 1,152 B per token per layer, ~1.75x the tokens); vLLM's "
+                        "fp8_e4m3 and bfloat16 are taken as fp8 and bf16")
     g.add_argument("--n-activated-experts", type=int, metavar="K",
                    help="routed experts per token (default: the checkpoint's num_experts_per_tok)")
     distributed.add_cli_flags(parser)
@@ -183,6 +184,17 @@ def start(args: argparse.Namespace) -> Any:
 
     distributed.initialize_from_args(args)
     return lockstep.start()
+
+
+def kv_cache_dtype_arg(name: str) -> str:
+    """argparse `type` of --kv-cache-dtype: the canonical name (layout.canonical_kv_cache_dtype), its
+    error as argparse's one line."""
+    from dsv3_jax.model import layout
+
+    try:
+        return layout.canonical_kv_cache_dtype(name)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def device_memory(args: argparse.Namespace) -> int | None:
