@@ -30,7 +30,12 @@ of priority (a wall-clock budget skips what no longer fits and says so; --tasks 
           host clock. The added step time beside the added attention time x layers shows the attention's
           share of what a capped chunk adds to the decoders' step. Compiles only the step programs its
           cases pick (two: a 32+8-token step still fits the 40-token decode program), no full warmup and
-          no rate measurements: ~2 min on one H100 (estimated; most of it weights and compiles).
+          no rate measurements: 75 s on one H100 (2026-12-06, five cases; most of it weights and
+          compiles). Then the engine loop itself at the first case whose prefix passes --decode-ctx
+          (`sec_stallloop`): the decoders and the long request admitted from the prefix cache at their
+          contexts (`seed_prefix`, no 128K prefill), --parts-engine-steps `Engine.step()` calls timed per
+          phase (StepTrace: schedule, build, dispatch, the wait for the device, the commit's host work)
+          without and with the long request: does a step of (b) cost its program's time, or more?
 
 One engine serves (a), (b) and the parts: warmed once for (a) and (b) (every step program compiled
 before the first request, compile time reported apart; a compile during a load is counted in its row),
