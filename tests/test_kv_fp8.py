@@ -126,6 +126,8 @@ def test_bad_values_are_refused_in_one_line():
         layout.kv_cache_dtype(CFG, "int8")
     with pytest.raises(ValueError, match="stores e4m3: use fp8"):
         EngineConfig(kv_cache_dtype="fp8_e5m2")
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        EngineConfig(kv_cache_dtype=["fp8"])  # a wrong type: the same one line, not a TypeError
 
 
 def test_vllm_names_for_the_cache_dtypes():

@@ -307,9 +307,9 @@ FP8 = "fp8"  # the FP8 latent cache: `FP8_LEAVES` (pallas_kernels.mla_common's f
 
 def canonical_kv_cache_dtype(name: str) -> str:
     """`name` as one of `KV_CACHE_DTYPES` (aliases mapped); ValueError naming the value otherwise."""
-    if name in KV_CACHE_DTYPES:
+    if isinstance(name, str) and name in KV_CACHE_DTYPES:
         return name
-    if name in KV_CACHE_DTYPE_ALIASES:
+    if isinstance(name, str) and name in KV_CACHE_DTYPE_ALIASES:
         return KV_CACHE_DTYPE_ALIASES[name]
     why = " (the FP8 cache stores e4m3: use fp8)" if isinstance(name, str) and "e5m2" in name else ""
     raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)} (or "
