@@ -204,6 +204,20 @@ def drive(eng: Engine, until, record: list | None = None, trace: StepTrace | Non
             record.append((eng.clock(), eng.stats["tokens"][-1], eng.stats["batch_sizes"][-1]))
 
 
+def itl_gaps(token_times: list[list[float]], a: float, b: float,
+             exclude: tuple[float, float] | None = None) -> np.ndarray:
+    """The inter-token gaps of these requests (their token clocks) that end in (a, b], less those that
+    overlap `exclude`'s window (e.g. a profiler's: its start, its traced steps and its stop)."""
+    out = []
+    for times in token_times:
+        t = np.asarray(times)
+        keep = (t[1:] > a) & (t[1:] <= b)
+        if exclude is not None:
+            keep &= ~((t[1:] > exclude[0]) & (t[:-1] < exclude[1]))
+        out.append(np.diff(t)[keep])
+    return np.concatenate(out) if out else np.zeros(0)
+
+
 class StepTrace:
     """Where each `Engine.step()` call's wall time goes, from the host: the scheduler, the batch layout, the
     dispatch (`_execute`: enqueue, returns before the device finishes) and the commit of the previous step
@@ -275,10 +289,11 @@ class StepTrace:
         c["clock"] = eng.clock()
         self.rows.append(c)
 
-    def summary(self, a: float, b: float) -> dict:
-        """Medians (ms) of each phase and the wall over the step calls that ended in (a, b], and the
-        programs they ran (count per token/row capacity)."""
-        rows = [r for r in self.rows if a < r["clock"] <= b]
+    def summary(self, a: float, b: float, exclude: tuple[float, float] | None = None) -> dict:
+        """Medians (ms) of each phase and the wall over the step calls that ended in (a, b] (and not in
+        `exclude`'s window), and the programs they ran (count per token/row capacity)."""
+        rows = [r for r in self.rows if a < r["clock"] <= b
+                and not (exclude and exclude[0] < r["clock"] <= exclude[1])]
         if not rows:
             return {"calls": 0}
         out: dict = {"calls": len(rows)}
@@ -393,6 +408,7 @@ def sec_stall(args, res: dict, eng: Engine, cfg, rng, left) -> None:
     # Drive to the middle of the long prompt, profile --stall-profile-steps steps of the device there (is
     # it busy, or waiting for the host?), then drive to the end.
     drive(eng, lambda: done() or long_req.computed >= args.stall_len // 2, steps, trace)
+    profiled = None  # the profiler's window: its steps are slower (tracing), left out of the ITL figures
     # GPU only: the CPU has no device plane to read, and XLA:CPU programs loaded from the persistent
     # cache fail to run under the profiler (NOT_FOUND: a fusion's function), seen 2026-12-06.
     if args.stall_profile_steps and not done() and jax.default_backend() == "gpu":
@@ -405,6 +421,7 @@ def sec_stall(args, res: dict, eng: Engine, cfg, rng, left) -> None:
             drive(eng, lambda: done() or len(steps) - n0 >= args.stall_profile_steps, steps, trace)
             jax.effects_barrier()
             jax.profiler.stop_trace()
+            profiled = (t_p0, eng.clock())
             out["profile_mid_prefill"] = {"steps": len(steps) - n0, "wall_ms": 1e3 * (eng.clock() - t_p0),
                                           "prefix_at_start": args.stall_len // 2, **gpu_busy(d)}
     drive(eng, done, steps, trace)
@@ -412,14 +429,9 @@ def sec_stall(args, res: dict, eng: Engine, cfg, rng, left) -> None:
     trace.close()
     ok = long_rid in eng.finished
 
-    def gaps(a: float, b: float) -> np.ndarray:
-        g = []
-        for r in reqs():
-            t = np.asarray(r.token_times)
-            d = np.diff(t)
-            g.append(d[(t[1:] > a) & (t[1:] <= b)])
-        return np.concatenate(g)
-    base, during = gaps(t_base, t_arrive), gaps(t_arrive, t_done)
+    times = [r.token_times for r in reqs()]
+    base, during = itl_gaps(times, t_base, t_arrive), itl_gaps(times, t_arrive, t_done, profiled)
+    out["profiled_gaps_left_out"] = len(itl_gaps(times, t_arrive, t_done)) - len(during)
     lr = eng.finished.get(long_rid)
     out.update(long_finished=ok, long_ttft_s=(lr.first_token_at - lr.arrival) if ok else None,
                long_ttft_alone_s=alone.get(args.stall_len), baseline_gaps=len(base), during_gaps=len(during),
@@ -432,7 +444,7 @@ def sec_stall(args, res: dict, eng: Engine, cfg, rng, left) -> None:
     chunks = [t - (r - 1) for _, t, r in steps if r > args.decoders]
     out["steps_during"] = len(steps)
     out["step_phases_before"] = trace.summary(t_base, t_arrive)
-    out["step_phases_during"] = trace.summary(t_arrive, t_done)
+    out["step_phases_during"] = trace.summary(t_arrive, t_done, profiled)
     out["long_chunk_tokens"] = {"first": chunks[0], "median": float(np.median(chunks)), "last": chunks[-1],
                                 "steps": len(chunks)} if chunks else None
     for i in rids:
@@ -860,7 +872,9 @@ def report(res: dict) -> None:
               f"{s['itl_p99_during_ms']:.2f} max {s['itl_max_during_ms']:.2f} ms -> p99/p50 "
               f"{s['p99_during_over_p50_before']:.2f} (goal <= 2); long TTFT {s['long_ttft_s'] or float('nan'):.1f} s "
               f"(alone {s['long_ttft_alone_s'] or float('nan'):.1f} s); cap {s['prefill_attention_pairs']:,} pairs, "
-              f"chunk {s['chunk_size']}, budget {s['max_batched_tokens']}")
+              f"chunk {s['chunk_size']}, budget {s['max_batched_tokens']}"
+              + (f"; {s['profiled_gaps_left_out']} gaps in the profiler's window left out"
+                 if s.get("profiled_gaps_left_out") else ""))
         for when in ("before", "during"):
             ph = s.get(f"step_phases_{when}") or {}
             if ph.get("calls"):

@@ -335,3 +335,15 @@ def test_step_trace_splits_the_wait_and_restores_the_engine():
     trace.close()
     assert "_commit" not in vars(eng) and "_execute" not in vars(eng) and "schedule" not in vars(eng.sched)
     assert step_mod.build is build
+
+
+def test_itl_gaps_leave_out_a_window():
+    """The stall's ITL figures leave out the gaps that overlap the profiler's window (its start, traced
+    steps and stop are slower than any step) and keep the rest in (a, b]."""
+    lc = _long_context()
+    times = [[0.0, 1.0, 2.0, 3.0, 10.0, 11.0], [0.5, 1.5, 2.5, 3.5, 10.5]]
+    all_gaps = lc.itl_gaps(times, 0.9, 11.0)
+    assert sorted(all_gaps.tolist()) == [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 7.0, 7.0]
+    kept = lc.itl_gaps(times, 0.9, 11.0, exclude=(4.0, 9.0))  # the 7-s gaps overlap it
+    assert sorted(kept.tolist()) == [1.0] * 7
+    assert lc.itl_gaps(times, 100.0, 200.0).size == 0
