@@ -278,13 +278,15 @@ def main() -> None:
         """As many requests at --fit-context as one device's pool holds (pool_plan, this cache dtype): the bare
         decode step at that batch over a cache of that many full contexts (random values), beside its floor."""
         from dsv3_jax import plan as planning
+        from dsv3_jax.parallel.flags import attention_kernel_serves
 
         dev = jax.devices()[0]
         mem = (dev.memory_stats() or {}).get("bytes_limit") if hasattr(dev, "memory_stats") else None
         ctx = 256 if args.tiny else args.fit_context
         pp = planning.pool_plan(cfg, "tensor=1", dtype="fp8", max_model_len=ctx, device_memory=mem or 24 * 2**30,
                                 cache_dtype=args.kv_cache_dtype, max_batched_tokens=args.max_batched_tokens,
-                                max_batch=256, params_or_shapes=params, attention_kernel=not args.tiny)
+                                max_batch=256, params_or_shapes=params,
+                                attention_kernel=attention_kernel_serves(handle, args.kv_cache_dtype))
         n = max(1, min(pp.max_requests, 4 if args.tiny else 1024))
         row = {"context": ctx, "requests": n, "planned_requests": pp.max_requests,
                "pool_tokens": pp.kv_tokens_per_shard, "device_memory": mem}
