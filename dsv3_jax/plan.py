@@ -204,8 +204,9 @@ def plan(cfg: ModelConfig, mesh: str | Mapping[str, int] | Any, *, dtype: str = 
     `reserve` < 1 is a fraction of device memory, otherwise bytes. `params_or_shapes` overrides the
     parameter tree (e.g. the shapes of a checkpoint without the MTP layer). `kv_cache_dtype`
     (layout.KV_CACHE_DTYPES): "auto" bf16 (fp32 for fp32 weights), "bf16", or "fp8" (656 B per token per
-    layer instead of 1,152).
+    layer instead of 1,152), or one of their aliases (layout.KV_CACHE_DTYPE_ALIASES).
     """
+    kv_cache_dtype = layout.canonical_kv_cache_dtype(kv_cache_dtype)
     if isinstance(mesh, str | Mapping):
         if isinstance(mesh, str):
             from dsv3_jax.cli import check_mesh
@@ -243,14 +244,13 @@ def plan(cfg: ModelConfig, mesh: str | Mapping[str, int] | Any, *, dtype: str = 
                 weight_bytes_total=total, weight_bytes_per_device=per_dev, replicated_bytes_per_device=rep,
                 kv_bytes_per_token=layout.bytes_per_token(cfg, "absorbed",
                                                           _cache_dtype(dtype, kv_cache_dtype)),
-                kv_cache_dtype=layout.canonical_kv_cache_dtype(kv_cache_dtype),
+                kv_cache_dtype=kv_cache_dtype,
                 batch_shards=sharding.mesh_size(sharding.LOGICAL_RULES["batch"], sizes))
 
 
 def _cache_dtype(weights: str, kv_cache_dtype: str) -> Any:
-    """The cache dtype (as layout.cache_layout takes it) of `kv_cache_dtype` for weights stored as
-    `weights`: "auto" is bf16, fp32 for fp32 weights."""
-    kv_cache_dtype = layout.canonical_kv_cache_dtype(kv_cache_dtype)
+    """The cache dtype (as layout.cache_layout takes it) of the canonical name `kv_cache_dtype` for weights
+    stored as `weights`: "auto" is bf16, fp32 for fp32 weights."""
     if kv_cache_dtype == "auto":
         return jnp.float32 if weights == "fp32" else jnp.bfloat16
     return layout.FP8 if kv_cache_dtype == layout.FP8 else jnp.bfloat16
