@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -70,6 +71,33 @@ def slope(xs: list[float], ys: list[float]) -> float:
 def slice_config(n_moe: int, args):
     cfg = e2e_bench.slice_config(n_moe, args.tiny)
     return cfg.replace(n_routed_experts=args.experts) if args.experts else cfg
+
+
+# An instruction of the optimized HLO that moves bytes without computing: `%name = bf16[2,3]{1,0} copy(...`.
+_MOVE_RE = re.compile(r"^\s*(?:ROOT )?%?([\w.-]+) = (\w+)\[([\d,]*)\][^ ]* "
+                      r"(copy|copy-start|transpose|pad|slice|dynamic-slice|concatenate)\(")
+
+
+def hlo_moves(hlo_text: str, min_bytes: int = 1 << 20) -> list[dict]:
+    """Data-moving instructions (copy, transpose, pad, slices, concatenate) of at least `min_bytes` in an
+    optimized HLO module, largest first, each with the computation it sits in: how a `memcpy` kernel of the
+    profile is traced back to the array it copies. A move inside a fusion's computation beside other work
+    costs no launch of its own; one in ENTRY, a loop body or a `wrapped_*` computation does."""
+    itemsize = {"bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u32": 4, "f8e4m3fn": 1, "s8": 1, "u8": 1, "pred": 1}
+    out, computation = [], ""
+    for line in hlo_text.splitlines():
+        if line and not line[0].isspace() and line.rstrip().endswith("{"):  # a computation's header
+            computation = line.split("(")[0].replace("ENTRY", "").strip(" %")
+        m = _MOVE_RE.match(line)
+        if not m:
+            continue
+        name, dtype, dims, op = m.groups()
+        n = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
+        size = n * itemsize.get(dtype, 4)
+        if size >= min_bytes:
+            out.append({"name": name, "op": op, "shape": f"{dtype}[{dims}]", "bytes": size,
+                        "computation": computation, "line": line.strip()[:240]})
+    return sorted(out, key=lambda r: -r["bytes"])
 
 
 def weight_bytes(cfg, fp8: bool) -> int:
@@ -116,9 +144,11 @@ def one_slice(n_moe: int, args, bandwidth: float) -> dict:
     step = jax.jit(lambda p, c: m.apply({"params": p}, toks, pos, c, meta)[0][:, -1].argmax(-1))
 
     wall = e2e_bench.timeit(lambda: step(params, cache), args.reps)
+    moves = hlo_moves(step.lower(params, cache).compile().as_text())  # from the persistent cache, if on
     floor_ms = 1e3 * e2e_bench.step_bytes(cfg, params, args.batch, args.ctx) / bandwidth
     row = {"moe_layers": n_moe, "layers": cfg.num_hidden_layers, "experts": cfg.n_routed_experts, "wall": wall,
-           "floor_ms": floor_ms}
+           "floor_ms": floor_ms, "hlo_moves": moves[:12],
+           "hlo_moves_bytes": sum(r["bytes"] for r in moves)}
     if args.xla_variants and n_moe == int(args.moe_layers.split(",")[0]):
         row["xla_variants"] = xla_variants(step, (params, cache), args)
     if jax.default_backend() == "gpu":
@@ -236,6 +266,12 @@ def main(argv: list[str] | None = None) -> dict:
         gap = f"{r['gap_ms']:.3f}" if "gap_ms" in r else "-"
         print(f"| 1+{r['moe_layers']} | {w['median_ms']:.3f} ({w['min_ms']:.3f}-{w['max_ms']:.3f}) | {dev} | "
               f"{gap} | {r['floor_ms']:.3f} | {w['median_ms'] / r['floor_ms']:.2f}x |")
+    for r in rows:
+        print(f"1+{r['moe_layers']}: {len(r['hlo_moves'])} data moves >= 1 MB, "
+              f"{r['hlo_moves_bytes'] / 1e6:.1f} MB in all" + "".join(
+                  f"\n    {m['op']} {m['shape']} {m['bytes'] / 1e6:.1f} MB in {m['computation'][:40]}: "
+                  f"{m['line'][:120]}"
+                  for m in r["hlo_moves"][:4]))
     print("per extra MoE layer: " + ", ".join(f"{k} {v:.4f}" for k, v in fit.items()))
     for v in rows[0].get("xla_variants", []):
         w = v.get("wall", {}).get("median_ms")

@@ -3,7 +3,8 @@
 mtp_depth: plain and spec_k = 2 through the engine (greedy tokens equal, acceptance counted) and the slice's
 verify step beside the plain one; its margin check at a doctored difference; the speedup formula.
 step_profile: --experts shrinks the slice, the memory check names the expert count that fits, and
---xla-variants compiles the first slice's step under every command-buffer variant in one run.
+--xla-variants compiles the first slice's step under every command-buffer variant in one run; hlo_moves
+(the census that traces a profile's memcpy kernels to their arrays) finds a compiled module's copies.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import argparse
 import sys
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -72,3 +75,16 @@ def test_step_profile_refuses_a_slice_too_big(monkeypatch):
     args.experts = 128
     gb = step_profile.check_memory([2, 4, 8], args)
     assert 50 < gb[8] < 53
+
+
+def test_hlo_moves_finds_the_copies_of_a_compiled_module_with_their_sizes():
+    f = jax.jit(lambda x: (jnp.transpose(x) * 1.0, x[:, :512]))
+    text = f.lower(jnp.ones((1024, 1024), jnp.float32)).compile().as_text()
+    moves = step_profile.hlo_moves(text, min_bytes=1 << 20)
+    by_op = {m["op"]: m for m in moves}
+    assert by_op["slice"]["shape"] == "f32[1024,512]" and by_op["slice"]["bytes"] == 1024 * 512 * 4
+    assert any(m["op"] in ("transpose", "copy") and m["bytes"] == 1024 * 1024 * 4 for m in moves)
+    assert [m["bytes"] for m in moves] == sorted((m["bytes"] for m in moves), reverse=True)
+    assert all(m["computation"] for m in moves)
+    # Below the size floor nothing is listed.
+    assert step_profile.hlo_moves(text, min_bytes=1 << 30) == []
