@@ -308,6 +308,22 @@ class StepTrace:
         return out
 
 
+def busy_and_gaps(events: list[tuple[int, int, str]], min_gap_ns: int = 500_000
+                   ) -> tuple[int, list[tuple[float, str, str]]]:
+    """Kernel intervals (start_ns, end_ns, name), sorted by start -> the busy time (their union, ns) and the
+    idle gaps longer than `min_gap_ns` as (ms, the kernel before, the kernel after): where the device
+    waited, and between what."""
+    busy, gaps = 0, []
+    end, last = events[0][0], events[0][2]
+    for s, e, n in events:
+        if s - end > min_gap_ns:
+            gaps.append(((s - end) / 1e6, last[:50], n[:50]))
+        if e > end:
+            busy += e - max(s, end)
+            end, last = e, n
+    return busy, gaps
+
+
 def gpu_busy(trace_dir: str) -> dict:
     """From a `jax.profiler` trace: the GPU's busy time (union of kernel intervals on its stream lines),
     the span from the first kernel's start to the last's end, and the top kernels by total time. Busy
@@ -329,18 +345,16 @@ def gpu_busy(trace_dir: str) -> dict:
     if not events:
         return {"error": "no GPU kernels in the trace"}
     events.sort()
-    busy, end = 0, events[0][0]
-    for s, e, _ in events:
-        if e > end:
-            busy += e - max(s, end)
-            end = e
+    busy, gaps = busy_and_gaps(events)
     per: dict[str, float] = {}
     for s, e, n in events:
         per[n[:60]] = per.get(n[:60], 0.0) + (e - s) / 1e6
     top = sorted(per.items(), key=lambda kv: -kv[1])[:8]
     span = max(e for _, e, _ in events) - events[0][0]
     return {"busy_ms": busy / 1e6, "span_ms": span / 1e6, "busy_share": busy / span if span else None,
-            "kernels": len(events), "top_kernels_ms": dict(top)}
+            "kernels": len(events), "top_kernels_ms": dict(top), "idle_gaps_over_0.5ms": len(gaps),
+            "idle_gaps_ms": sum(g for g, _, _ in gaps),
+            "largest_gaps": [{"ms": g, "after": a, "before": b} for g, a, b in sorted(gaps, reverse=True)[:6]]}
 
 
 def sec_long(args, res: dict, eng: Engine, cfg, params, rng, left, length: int) -> None:
@@ -675,6 +689,20 @@ def sec_stallloop(args, res: dict, eng: Engine, cfg, left) -> None:
         steps1: list = []
         drive(eng, lambda: len(steps1) >= n + 1 or long_rid in eng.finished, steps1, trace)
         t2 = eng.clock()
+        profile = None
+        if jax.default_backend() == "gpu" and args.stall_profile_steps and long_rid not in eng.finished:
+            # The device's view of the same loop: busy per step, and the idle gaps between kernels.
+            import tempfile
+
+            with tempfile.TemporaryDirectory() as d:
+                steps2: list = []
+                t3 = eng.clock()
+                jax.profiler.start_trace(d)
+                drive(eng, lambda: len(steps2) >= min(8, args.stall_profile_steps) or long_rid in eng.finished,
+                      steps2)
+                jax.effects_barrier()
+                jax.profiler.stop_trace()
+                profile = {"steps": len(steps2), "wall_ms": 1e3 * (eng.clock() - t3), **gpu_busy(d)}
     finally:
         trace.close()
     long_req = next((r for r in eng.running if r.rid == long_rid), None)
@@ -683,7 +711,8 @@ def sec_stallloop(args, res: dict, eng: Engine, cfg, left) -> None:
            "long_computed_at_end": long_req.computed if long_req else None,
            "chunk_tokens": [t - (r - 1) for _, t, r in steps1 if r > args.decoders],
            "compiles_during": eng.stats["compiles"] - c0,
-           "decode_only": trace.summary(t0, t1), "with_long": trace.summary(t1, t2)}
+           "decode_only": trace.summary(t0, t1), "with_long": trace.summary(t1, t2),
+           "profile_with_long": profile}
     for rid in [*rids, long_rid]:
         eng.cancel(rid)
     res["stallloop"] = out

@@ -347,3 +347,13 @@ def test_itl_gaps_leave_out_a_window():
     kept = lc.itl_gaps(times, 0.9, 11.0, exclude=(4.0, 9.0))  # the 7-s gaps overlap it
     assert sorted(kept.tolist()) == [1.0] * 7
     assert lc.itl_gaps(times, 100.0, 200.0).size == 0
+
+
+def test_busy_and_gaps_unions_overlaps_and_names_the_idle_gaps():
+    ms = 1_000_000
+    events = [(0, 2 * ms, "a"), (1 * ms, 3 * ms, "b"),  # overlapping: busy 3 ms
+              (3 * ms + 100_000, 4 * ms, "c"),          # a 0.1-ms gap: below the floor
+              (10 * ms, 11 * ms, "d")]                   # a 6-ms gap after c
+    busy, gaps = _long_context().busy_and_gaps(events)
+    assert busy == 3 * ms + 900_000 + 1 * ms
+    assert gaps == [(6.0, "c", "d")]
