@@ -125,6 +125,9 @@ XLA_VARIANTS = {
                                                "xla_gpu_graph_min_graph_size": 1},
     "all types + unrolled loops": {"xla_gpu_enable_command_buffer": CB_ALL, "xla_gpu_graph_min_graph_size": 1,
                                    "xla_gpu_command_buffer_unroll_loops": True},
+    # A scanned layer's weights reach a cuBLAS GEMM or a custom call as a dynamic-slice of the stacked
+    # parameter: without this XLA copies the slice out first (the BF16 slice's memcpy kernels, 2026-12-05).
+    "dynamic-slice fusion": {"xla_gpu_enable_dynamic_slice_fusion": True},
 }
 
 

@@ -190,6 +190,7 @@ def xla_variants(step, step_args: tuple, args) -> list[dict]:
             out.append({**row, "error": repr(comp)[:300]})
             continue
         row["wall"] = e2e_bench.timeit(lambda comp=comp: comp(*step_args), args.reps)
+        row["hlo_moves_mb"] = sum(m["bytes"] for m in hlo_moves(comp.as_text())) / 1e6
         if jax.default_backend() == "gpu":
             try:
                 dev = jax_device_time(comp, step_args, calls=args.calls)
@@ -276,7 +277,7 @@ def main(argv: list[str] | None = None) -> dict:
     for v in rows[0].get("xla_variants", []):
         w = v.get("wall", {}).get("median_ms")
         print(f"1+{rows[0]['moe_layers']} b={args.batch}, XLA {v['variant']}: "
-              + (f"wall {w:.3f} ms" if w is not None else str(v.get("error")))
+              + (f"wall {w:.3f} ms, moves {v['hlo_moves_mb']:.0f} MB" if w is not None else str(v.get("error")))
               + (f", device {v['device_ms']:.3f} ms, gap {v['gap_ms']:.3f} ms, {v['launches']:.0f} launches"
                  if "device_ms" in v else "") + (f" ({v['device_error'][:80]})" if "device_error" in v else ""))
     return result
