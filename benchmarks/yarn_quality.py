@@ -16,6 +16,12 @@ a paged cache in `--chunk`-token chunks (each chunk attends to the whole cached 
 8,192 tokens never materializes an 8K x 8K score matrix. Perplexity = exp(mean next-token CE) over the
 full vocabulary. Prints a table last and writes JSON (--out).
 
+`--context-use` (the one long-context check this model's weights support; retrieval needs skills it was
+never taught): for each window and rope, the CE of the second half (positions L/2+1 .. L-1) after its own
+first half versus after the first half of another window (another file): the same target tokens at the
+same positions, so the difference is what the far context is worth to the model under that rope, by
+distance from the boundary.
+
     .venv/bin/python benchmarks/yarn_quality.py --windows 2 --out benchmarks/results/yarn_quality.json
 """
 
@@ -76,6 +82,35 @@ def chunked_ce(handle, window: np.ndarray, chunk: int) -> np.ndarray:
     return np.concatenate(ce)
 
 
+def context_use(h, wins: list[np.ndarray], chunk: int, log) -> dict:
+    """Second-half CE of each window after its own first half vs after another window's first half
+    (window i takes window i+1's, cyclically). Positions scored: L/2+1 .. L-1 of the window, i.e. every
+    prediction whose input token lies in the second half. Returns per-window and pooled means by the
+    distance from the boundary."""
+    if len(wins) < 2:
+        raise ValueError("--context-use needs at least 2 windows (a foreign first half comes from another)")
+    half = len(wins[0]) // 2
+    own, foreign = [], []
+    for i, w in enumerate(wins):
+        swapped = np.concatenate([wins[(i + 1) % len(wins)][:half], w[half:]])
+        ts = time.perf_counter()
+        own.append(chunked_ce(h, w, chunk)[half:])  # CE[k] predicts token k + 1: inputs from half on
+        foreign.append(chunked_ce(h, swapped, chunk)[half:])
+        log(f"context use window {i}: own {own[-1].mean():.4f} vs foreign {foreign[-1].mean():.4f} nats "
+            f"({time.perf_counter() - ts:.0f} s)")
+    o, f = np.stack(own), np.stack(foreign)
+    edges = [0, 64, 512, 1024, 2048, o.shape[1]]
+    spans = {f"{half + lo}-{half + hi}": (lo, hi) for lo, hi in zip(edges[:-1], edges[1:], strict=True)}
+    return {"windows": len(wins), "boundary": half,
+            "own_ce": float(o.mean()), "foreign_ce": float(f.mean()),
+            "own_ppl": quality_bench.ppl(o), "foreign_ppl": quality_bench.ppl(f),
+            "per_window_gain_nats": [float(x) for x in (f - o).mean(axis=1)],
+            "by_distance": {k: {"own_ppl": quality_bench.ppl(o[:, lo:hi]),
+                                "foreign_ppl": quality_bench.ppl(f[:, lo:hi]),
+                                "gain_nats": float((f[:, lo:hi] - o[:, lo:hi]).mean())}
+                            for k, (lo, hi) in spans.items()}}
+
+
 def buckets(length: int) -> list[tuple[int, int]]:
     edges = [0, 512]
     while edges[-1] * 2 < length:
@@ -91,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk", type=int, default=1024)
     ap.add_argument("--ropes", default="off,x16,shipped", help="comma-separated: off, shipped, x16")
     ap.add_argument("--budget-s", type=float, default=600.0, help="no new (window, rope) after this")
+    ap.add_argument("--context-use", action="store_true",
+                    help="instead of perplexity by position: second-half CE after the own vs a foreign first half")
     ap.add_argument("--out", type=Path, default=Path("yarn_quality.json"))
     a = ap.parse_args(argv)
     t0 = time.perf_counter()
@@ -108,6 +145,20 @@ def main(argv: list[str] | None = None) -> int:
                              "max_position_embeddings": h.config.max_position_embeddings},
                  "heldout_files": n_files, "heldout_tokens": len(held), "length": a.length,
                  "windows": len(wins), "rows": [], "skipped": []}
+    if a.context_use:
+        res["context_use"] = {}
+        for name in a.ropes.split(","):
+            hv = quality_bench.variant(h, rope_scaling=ropes[name], max_position_embeddings=a.length)
+            r = context_use(hv, wins, a.chunk, lambda m, name=name: print(f"{name} {m}", flush=True))
+            res["context_use"][name] = r
+            a.out.parent.mkdir(parents=True, exist_ok=True)
+            a.out.write_text(json.dumps(res, indent=1))
+            print(f"{name}: second half ppl {r['own_ppl']:.3f} after its own first half, {r['foreign_ppl']:.3f} "
+                  f"after another file's; by distance: " + ", ".join(
+                      f"{k} {v['own_ppl']:.2f}/{v['foreign_ppl']:.2f}" for k, v in r["by_distance"].items()))
+        res["seconds"] = time.perf_counter() - t0
+        a.out.write_text(json.dumps(res, indent=1))
+        return 0
     edges = buckets(a.length)
     for name in a.ropes.split(","):
         ce_all = []
