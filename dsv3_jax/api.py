@@ -120,7 +120,8 @@ class ModelHandle:
                  stop: str | Sequence[str] | Sequence[Sequence[str] | None] | None = None,
                  logprobs: int | Sequence[int | None] | None = None, stream: bool = False,
                  ignore_eos: bool = False, spec_k: int = 0, sizing: Mapping[str, int] | None = None,
-                 warmup_progress: Callable[..., None] | None = None):
+                 warmup_progress: Callable[..., None] | None = None,
+                 prefill_progress: Callable[[int, int], None] | None = None):
         """Generate for one prompt or a batch (strings or token-id lists) through the serving engine.
 
         Returns a list of `GenerationResult` (one per prompt; a single result for a single prompt).
@@ -129,6 +130,8 @@ class ModelHandle:
         temperature 0 is greedy. `spec_k` > 0 drafts that many tokens per step with the MTP head
         (speculative decoding; greedy output is unchanged, sampled output keeps its distribution).
         `warmup_progress(done, total, step_key, seconds)`: compile every step program first, reporting each.
+        `prefill_progress(done, total)`: prompt tokens prefilled so far, after every step until none are
+        pending (a 128K prompt takes many steps before its first token).
         `sizing`: EngineConfig fields to use instead of sizing the engine for these prompts (the CLI's
         --max-batch, --max-batched-tokens and the plan-sized pool; request_stream.engine_config).
 
@@ -146,7 +149,7 @@ class ModelHandle:
             top_p=top_p, top_k=top_k, seed=seed, stop=stop, logprobs=logprobs,
             eos=[] if ignore_eos else self.eos_ids())
         it = request_stream.stream(self, ids, params, tokenizer=self.tokenizer, spec_k=spec_k, sizing=sizing,
-                                   warmup_progress=warmup_progress)
+                                   warmup_progress=warmup_progress, prefill_progress=prefill_progress)
         if stream:
             return (piece if single else (i, piece) for i, piece, res in it if res is None and piece)
         results: list[GenerationResult | None] = [None] * len(ids)

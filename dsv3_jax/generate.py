@@ -17,6 +17,7 @@ import json
 import stat
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -167,6 +168,27 @@ def _to_ids(handle, item: Any, args: argparse.Namespace) -> list[int]:
     return handle.tokenizer.encode(item)
 
 
+def prefill_printer(interval_s: float = 1.0, out: Any = None, clock: Callable[[], float] = time.perf_counter
+                    ) -> Callable[[int, int], None]:
+    """The CLI's progress line for a long prompt (`handle.generate`'s `prefill_progress`): silent for a
+    prefill that ends within `interval_s`, then one line per `interval_s` ("[prefill] 65,536 / 131,072
+    prompt tokens (50%), 12.0 s") and a last one when it ends."""
+    start, last, shown = None, 0.0, False
+
+    def show(done: int, total: int) -> None:
+        nonlocal start, last, shown
+        now = clock()
+        if start is None:
+            start = last = now
+        final = done >= total
+        if now - last >= interval_s or (final and shown):
+            print(f"[prefill] {done:,} / {total:,} prompt tokens ({100 * done // max(total, 1)}%), "
+                  f"{now - start:.1f} s", file=out or sys.stderr, flush=True)
+            last, shown = now, True
+
+    return show
+
+
 def _gen_kwargs(args: argparse.Namespace, sizing: dict[str, int]) -> dict[str, Any]:
     from dsv3_jax.parallel.flags import warmup_printer
 
@@ -175,7 +197,7 @@ def _gen_kwargs(args: argparse.Namespace, sizing: dict[str, int]) -> dict[str, A
                                             else lambda *_: None)
     return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                 top_k=args.top_k, seed=args.seed, stop=args.stop or None, spec_k=args.mtp, sizing=sizing,
-                warmup_progress=progress)
+                warmup_progress=progress, prefill_progress=prefill_printer() if sys.stderr.isatty() else None)
 
 
 def _print_stats(results) -> None:

@@ -383,7 +383,8 @@ def engine_config(handle: Any, prompts: Sequence[Sequence[int]], params: Sequenc
 
 def stream(handle: Any, prompts: Sequence[Sequence[int]], params: Sequence[RequestParams], *,
            tokenizer: Tokenizer | None = None, spec_k: int = 0, sizing: Mapping[str, Any] | None = None,
-           warmup_progress: Callable[..., None] | None = None
+           warmup_progress: Callable[..., None] | None = None,
+           prefill_progress: Callable[[int, int], None] | None = None
            ) -> Iterator[tuple[int, str, GenerationResult | None]]:
     """Run `prompts` (with `params[i]` each) through one engine (`engine_config`); yield (prompt index,
     new text piece, result-or-None), the result when a prompt ends. Every request is checked (`check`)
@@ -391,7 +392,10 @@ def stream(handle: Any, prompts: Sequence[Sequence[int]], params: Sequence[Reque
     cancelled).
 
     With `warmup_progress` (see `Engine.warmup`'s `progress`), every step program these prompts can
-    use is compiled before the first step (the CLI shows it); otherwise programs compile on first use."""
+    use is compiled before the first step (the CLI shows it); otherwise programs compile on first use.
+    `prefill_progress(done, total)`: called after every step while prompt tokens are pending (and once
+    when none are left), with the prompt tokens scheduled into the cache so far and all prompts' total:
+    a long prompt's progress before its first token (the CLI's progress line)."""
     prompts = [[int(t) for t in p] for p in prompts]
     if not prompts:
         raise ValueError("no prompts given")
@@ -410,8 +414,13 @@ def stream(handle: Any, prompts: Sequence[Sequence[int]], params: Sequence[Reque
         eng.warmup(max_rows=len(prompts), max_tokens=most, modes=sorted(modes), progress=warmup_progress)
     rids = {eng.add_request(p, **q.engine_kwargs()): i for i, (p, q) in enumerate(zip(prompts, params))}
     t0 = eng.clock()
+    total, pending = sum(len(p) for p in prompts), None
     while eng.has_work():
-        for ev in eng.step():
+        events = eng.step()
+        if prefill_progress is not None and pending != 0:
+            pending = eng.prefill_tokens_pending()
+            prefill_progress(total - pending, total)
+        for ev in events:
             i = rids[ev.rid]
             s = streams[i]
             if s.done:

@@ -137,3 +137,38 @@ def test_cli_bad_input_clear_error(args, match):
     r = _cli(*args)
     assert r.returncode == 2
     assert match in r.stderr and "Traceback" not in r.stderr
+
+
+def test_prefill_progress_reports_a_chunked_prompt_until_it_is_in_the_cache(hf_model_dir):
+    """`prefill_progress(done, total)` after every step of a prompt prefilled in 16-token chunks: it rises
+    to the total and stops being called once nothing is pending; the tokens are unchanged by it."""
+    _, d = hf_model_dir
+    handle = dsv3_jax.load(d)
+    prompt = np.random.default_rng(1).integers(2, 512, 70).tolist()
+    seen: list[tuple[int, int]] = []
+    sizing = {"chunk_size": 16, "max_batched_tokens": 16}
+    r = handle.generate(prompt, max_new_tokens=4, temperature=0, ignore_eos=True, sizing=sizing,
+                        prefill_progress=lambda done, total: seen.append((done, total)))
+    assert r.token_ids == handle.generate(prompt, max_new_tokens=4, temperature=0, ignore_eos=True,
+                                          sizing=sizing).token_ids
+    assert [t for _, t in seen] == [70] * len(seen)
+    assert [x for x, _ in seen] == [16, 32, 48, 64, 70]  # one call per chunk, the last at the total
+
+
+def test_prefill_printer_is_silent_for_short_prefills_and_prints_long_ones():
+    import io
+
+    from dsv3_jax.generate import prefill_printer
+
+    t = [0.0]
+    out = io.StringIO()
+    show = prefill_printer(1.0, out, clock=lambda: t[0])
+    show(100, 100)  # done within the first interval: nothing
+    assert out.getvalue() == ""
+    out = io.StringIO()
+    show = prefill_printer(1.0, out, clock=lambda: t[0])
+    for done, now in ((4096, 0.0), (8192, 0.5), (65536, 1.2), (98304, 1.7), (131072, 2.0)):
+        t[0] = now
+        show(done, 131072)
+    assert out.getvalue().splitlines() == ["[prefill] 65,536 / 131,072 prompt tokens (50%), 1.2 s",
+                                           "[prefill] 131,072 / 131,072 prompt tokens (100%), 2.0 s"]

@@ -355,7 +355,10 @@ class Engine:
                 "compiles": s["compiles"], "compile_s": s["compile_s"],
                 "compiles_after_warmup": s["compiles_after_warmup"], "programs_loaded": s["programs_loaded"],
                 "mask_s": s["mask_s"],
-                # a long prompt's progress: prompt tokens not yet in the cache (running and waiting)
-                "prefill_tokens_pending": sum(max(len(r.prompt) - r.computed, 0)
-                                              for r in (*self.waiting, *self.running))}
+                "prefill_tokens_pending": self.prefill_tokens_pending()}
+
+    def prefill_tokens_pending(self) -> int:
+        """A long prompt's progress: prompt tokens of running and waiting requests not yet scheduled into
+        the cache (a preempted request's count again)."""
+        return sum(max(len(r.prompt) - r.computed, 0) for r in (*self.waiting, *self.running))
 
