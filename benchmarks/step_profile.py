@@ -14,8 +14,9 @@ Memory: the FP8 slice holds 4.3 GB + 11.5 GB per MoE layer (256 experts), so 1+8
 H100. `--experts E` keeps E routed experts per MoE layer (5.9 GB a layer at 128): a batch-1 step reads the
 same bytes (its 8 chosen experts and the shared one) whatever E is, so the slope is comparable; the run
 refuses a slice whose weights exceed the device's memory before building any, naming the E that fits.
-`--xla-variants`: the first slice's step again under each of engine_bench's XLA command-buffer variants
-(default, off, all types with min graph size 1, + unrolled loops), compiled per variant in this process
+`--xla-variants`: the first slice with >= 2 MoE layers (a real layer scan; else the first slice) again
+under each of engine_bench's XLA variants (command buffers default, off, all types with min graph size 1,
++ unrolled loops; dynamic-slice fusion), compiled per variant in this process
 (the options are per compile), each with wall, device time and the gap between them: whether command
 buffers remove the launch gaps.
 Prints a table last and writes JSON (--out). --tiny runs the same code on CPU at toy size (no profile:
@@ -129,6 +130,14 @@ def check_memory(ns: list[int], args) -> dict[int, float]:
     return gb
 
 
+def variants_slice(args) -> int:
+    """The slice --xla-variants compiles again: the first with >= 2 MoE layers (a real layer scan, whose
+    dynamic-slices of the stacked weights are what the dynamic-slice fusion variant is about; a stack of
+    one layer has none), else the first."""
+    ns = [int(n) for n in args.moe_layers.split(",")]
+    return next((n for n in ns if n >= 2), ns[0])
+
+
 def one_slice(n_moe: int, args, bandwidth: float) -> dict:
     cfg = slice_config(n_moe, args)
     model, params = e2e_bench.random_params(cfg, fp8=not args.bf16)
@@ -149,7 +158,7 @@ def one_slice(n_moe: int, args, bandwidth: float) -> dict:
     row = {"moe_layers": n_moe, "layers": cfg.num_hidden_layers, "experts": cfg.n_routed_experts, "wall": wall,
            "floor_ms": floor_ms, "hlo_moves": moves[:12],
            "hlo_moves_bytes": sum(r["bytes"] for r in moves)}
-    if args.xla_variants and n_moe == int(args.moe_layers.split(",")[0]):
+    if args.xla_variants and n_moe == variants_slice(args):
         row["xla_variants"] = xla_variants(step, (params, cache), args)
     if jax.default_backend() == "gpu":
         dev = jax_device_time(step, (params, cache), calls=args.calls)
@@ -274,9 +283,10 @@ def main(argv: list[str] | None = None) -> dict:
                   f"{m['line'][:120]}"
                   for m in r["hlo_moves"][:4]))
     print("per extra MoE layer: " + ", ".join(f"{k} {v:.4f}" for k, v in fit.items()))
-    for v in rows[0].get("xla_variants", []):
+    vrow = next((r for r in rows if "xla_variants" in r), {"xla_variants": [], "moe_layers": None})
+    for v in vrow["xla_variants"]:
         w = v.get("wall", {}).get("median_ms")
-        print(f"1+{rows[0]['moe_layers']} b={args.batch}, XLA {v['variant']}: "
+        print(f"1+{vrow['moe_layers']} b={args.batch}, XLA {v['variant']}: "
               + (f"wall {w:.3f} ms, moves {v['hlo_moves_mb']:.0f} MB" if w is not None else str(v.get("error")))
               + (f", device {v['device_ms']:.3f} ms, gap {v['gap_ms']:.3f} ms, {v['launches']:.0f} launches"
                  if "device_ms" in v else "") + (f" ({v['device_error'][:80]})" if "device_error" in v else ""))

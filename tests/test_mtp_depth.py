@@ -3,7 +3,7 @@
 mtp_depth: plain and spec_k = 2 through the engine (greedy tokens equal, acceptance counted) and the slice's
 verify step beside the plain one; its margin check at a doctored difference; the speedup formula.
 step_profile: --experts shrinks the slice, the memory check names the expert count that fits, and
---xla-variants compiles the first slice's step under every command-buffer variant in one run; hlo_moves
+--xla-variants compiles the first scanned slice's step under every XLA variant in one run; hlo_moves
 (the census that traces a profile's memcpy kernels to their arrays) finds a compiled module's copies.
 """
 
@@ -55,10 +55,12 @@ def test_step_profile_experts_and_variants(tmp_path):
     res = step_profile.main(["--tiny", "--moe-layers", "1,2", "--experts", "8", "--xla-variants",
                              "--out", str(tmp_path / "s.json")])
     assert res["experts"] == 8 and [r["moe_layers"] for r in res["rows"]] == [1, 2]
-    variants = res["rows"][0]["xla_variants"]
+    # The variants run on the first slice with a real layer scan (2 MoE layers), not the 1-layer stack.
+    variants = res["rows"][1]["xla_variants"]
     assert [v["variant"] for v in variants][:2] == ["default", "command buffers off"]
+    assert "dynamic-slice fusion" in [v["variant"] for v in variants]
     assert all("wall" in v for v in variants), variants
-    assert "xla_variants" not in res["rows"][1]
+    assert "xla_variants" not in res["rows"][0]
 
 
 def test_step_profile_refuses_a_slice_too_big(monkeypatch):
