@@ -99,7 +99,7 @@ def context_use(h, wins: list[np.ndarray], chunk: int, log) -> dict:
         log(f"context use window {i}: own {own[-1].mean():.4f} vs foreign {foreign[-1].mean():.4f} nats "
             f"({time.perf_counter() - ts:.0f} s)")
     o, f = np.stack(own), np.stack(foreign)
-    edges = [0, 64, 512, 1024, 2048, o.shape[1]]
+    edges = sorted({min(e, o.shape[1]) for e in (0, 64, 512, 1024, 2048, o.shape[1])})  # short windows: fewer
     spans = {f"{half + lo}-{half + hi}": (lo, hi) for lo, hi in zip(edges[:-1], edges[1:], strict=True)}
     return {"windows": len(wins), "boundary": half,
             "own_ce": float(o.mean()), "foreign_ce": float(f.mean()),

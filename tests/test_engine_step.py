@@ -114,8 +114,20 @@ def test_padding_changes_no_expert_load_and_writes_no_real_page(params):
     np.testing.assert_array_equal(load_a, load_b)  # [layers, experts]: padding routed nowhere
     assert load_a.sum() == CFG.n_moe_layers * n * CFG.num_experts_per_tok
     np.testing.assert_allclose(lg_a, lg_b, rtol=1e-5, atol=1e-5)
-    for a, b in zip(jax.tree.leaves(cache_a), jax.tree.leaves(cache_b), strict=True):
-        np.testing.assert_array_equal(np.asarray(a)[:, 1:], np.asarray(b)[:, 1:])  # page 0 is scratch
+    # Page 0 is scratch. The real tokens own slots 0..n-1 of the table's pages (1, 2, ...): every other slot
+    # of every real page must be exactly as allocated in both runs (padding wrote nothing there). The real
+    # slots hold layer l's latents, computed from the layers below through matmuls whose row count differs
+    # between the runs (5 vs 16), so they agree to float32 rounding, the logits' bound, not bit for bit.
+    leaves0 = jax.tree.leaves(cache0)
+    _, pages, ps, _ = leaves0[0].shape  # [layers, pages, page size, width]
+    page = np.arange(1, pages)[:, None]
+    real = ((page - 1) * ps + np.arange(ps)[None, :] < n) & (page <= table.shape[1])  # [page 1.., slot]
+    for a, b, z in zip(jax.tree.leaves(cache_a), jax.tree.leaves(cache_b), leaves0, strict=True):
+        a, b, z = (np.asarray(x)[:, 1:] for x in (a, b, z))
+        np.testing.assert_array_equal(a[:, ~real], z[:, ~real])
+        np.testing.assert_array_equal(b[:, ~real], z[:, ~real])
+        assert np.abs(a[:, real]).max() > 0  # the real slots were written
+        np.testing.assert_allclose(b[:, real], a[:, real], rtol=1e-5, atol=1e-5)
 
 
 def test_batch_layout_groups_tokens_by_shard():
