@@ -128,7 +128,24 @@ XLA_VARIANTS = {
     # A scanned layer's weights reach a cuBLAS GEMM or a custom call as a dynamic-slice of the stacked
     # parameter: without this XLA copies the slice out first (the BF16 slice's memcpy kernels, 2026-12-05).
     "dynamic-slice fusion": {"xla_gpu_enable_dynamic_slice_fusion": True},
+    # That fusion wraps cuBLAS GEMM custom calls; with Triton GEMM fusions on, XLA's dots reach it as
+    # gemm fusions and it did not fire on the BF16 1+2 slice (2026-12-06: the same 23 GB of moves). With
+    # Triton GEMMs off the dense dots are cuBLAS calls from the start.
+    "cuBLAS GEMMs": {"xla_gpu_enable_triton_gemm": False},
+    "cuBLAS GEMMs + dynamic-slice fusion": {"xla_gpu_enable_triton_gemm": False,
+                                            "xla_gpu_enable_dynamic_slice_fusion": True},
 }
+
+
+def pick_variants(spec: str | None) -> dict[str, dict]:
+    """XLA_VARIANTS named in `spec` (comma list; "all" or None: every one), "default" always first."""
+    if spec in (None, "all"):
+        return dict(XLA_VARIANTS)
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    bad = [n for n in names if n not in XLA_VARIANTS]
+    if bad:
+        raise SystemExit(f"unknown XLA variant(s) {bad}; known: {list(XLA_VARIANTS)}")
+    return {n: XLA_VARIANTS[n] for n in ["default", *[n for n in names if n != "default"]]}
 
 
 def bare_step(model, params, cfg, batch: int, ctx: int, reps: int, backend: str, options: dict) -> dict:

@@ -6,6 +6,8 @@ functions, imported:
     layers, random weights): `Engine.warmup()` first (seconds, cold: a fresh compilation cache), then
     1 request and 64 concurrent requests (1K prompt, 64 new tokens; `engine_bench.run_load`): ITL p50
     and output tok/s. The loads must compile nothing after the warmup (`stats["compiles"]` unchanged);
+    the cold warmup must stay under its bound on the H200 (`COLD_WARMUP_MAX_S`), elsewhere within the
+    tolerance of the card's baseline;
   * the MLA decode kernel at H=128 B=64 S=4K, the FP8 grouped GEMM at prefill (65,536 rows, both expert
     shapes) and the BF16 grouped GEMM at decode (512 rows): GPU time per call (`device_time.py`), each
     result checked against its reference first;
@@ -192,7 +194,12 @@ def grouped_parts(run: Run, z: dict, pallas: bool, timer) -> None:
         del x, w, args
 
 
-COLD_WARMUP_MAX_S, CACHED_WARMUP_MAX_S = 90.0, 15.0  # issue 26's bounds for the slice on one H200
+# Issue 26's bounds for the slice, set on one H200. The cold one is a host figure (tracing and Mosaic GPU
+# lowering are serial Python: ~10 s of the ~13 s per program) and holds only on the card it was set on
+# (the H100 machine's host took 102.6 s on 2026-12-06); elsewhere the cold warmup is judged against the
+# card's baseline like any figure. The cached bound (a program store load) holds on any card.
+COLD_WARMUP_MAX_S = {"NVIDIA H200": 90.0}
+CACHED_WARMUP_MAX_S = 15.0
 
 
 def slice_parts(run: Run, z: dict, tiny: bool, warmup_only: bool = False) -> None:
@@ -235,10 +242,13 @@ def slice_parts(run: Run, z: dict, tiny: bool, warmup_only: bool = False) -> Non
         run.res["engine_config"] = {k: (list(v) if isinstance(v, tuple) else v) for k, v in ecfg.__dict__.items()}
         w = engine_bench.timed_warmup(eng)
         run.res["warmup"] = w
-        kind, bound = ("cached", CACHED_WARMUP_MAX_S) if warmup_only else ("cold", COLD_WARMUP_MAX_S)
-        run.figure(f"engine warmup s ({kind})", {"median": w["s"], "min": w["s"], "max": w["s"]}, "s", None,
+        device = str(jax.devices()[0].device_kind)
+        kind, bound = ("cached", CACHED_WARMUP_MAX_S) if warmup_only else ("cold", COLD_WARMUP_MAX_S.get(device))
+        # Gated against the baseline only where no absolute bound holds (and never in --tiny: CPU noise).
+        gated = "lower" if bound is None and not tiny else None
+        run.figure(f"engine warmup s ({kind})", {"median": w["s"], "min": w["s"], "max": w["s"]}, "s", gated,
                    compiles=w["compiles"], per_program_s=[x["s"] for x in w["shapes"]])
-        if not tiny:
+        if not tiny and bound is not None:
             run.check(f"engine warmup ({kind}) <= {bound:.0f} s", w["s"] <= bound,
                       f"{w['s']:.1f} s: {w['compiles']} programs compiled, {w['loaded']} loaded")
         if warmup_only:

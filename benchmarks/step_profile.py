@@ -178,8 +178,9 @@ def xla_variants(step, step_args: tuple, args) -> list[dict]:
     GPU device time and the gap (wall - device). XLA:CPU accepts the GPU options and ignores them."""
     import concurrent.futures
 
-    from engine_bench import XLA_VARIANTS
+    from engine_bench import pick_variants
 
+    variants = pick_variants(args.xla_variants)
     lowered = step.lower(*step_args)
 
     def compile_one(opts):  # the variants compile on parallel threads
@@ -190,10 +191,10 @@ def xla_variants(step, step_args: tuple, args) -> list[dict]:
         except Exception as e:  # noqa: BLE001 - record, keep measuring
             return e, time.perf_counter() - t0
 
-    with concurrent.futures.ThreadPoolExecutor(max_workers=len(XLA_VARIANTS)) as pool:
-        compiled = list(pool.map(compile_one, XLA_VARIANTS.values()))
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(variants)) as pool:
+        compiled = list(pool.map(compile_one, variants.values()))
     out = []
-    for (name, opts), (comp, seconds) in zip(XLA_VARIANTS.items(), compiled, strict=True):
+    for (name, opts), (comp, seconds) in zip(variants.items(), compiled, strict=True):
         row = {"variant": name, "options": opts, "compile_s": seconds}
         if isinstance(comp, Exception):
             out.append({**row, "error": repr(comp)[:300]})
@@ -224,8 +225,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--bf16", action="store_true", help="BF16 weights (experts through the BF16 grouped GEMM)")
     ap.add_argument("--experts", type=int, default=0,
                     help="routed experts per MoE layer (0: the model's 256); 128 fits 1+8 on an 80 GB H100")
-    ap.add_argument("--xla-variants", action="store_true",
-                    help="the first slice's step under each XLA command-buffer variant too")
+    ap.add_argument("--xla-variants", nargs="?", const="all", default=None,
+                    help="the variants slice's step under XLA option variants too (engine_bench.XLA_VARIANTS): "
+                         "all, or a comma list of their names (the default is always measured)")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run at toy size")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)

@@ -63,6 +63,18 @@ def test_step_profile_experts_and_variants(tmp_path):
     assert "xla_variants" not in res["rows"][0]
 
 
+def test_xla_variants_by_name():
+    """--xla-variants NAME,...: those variants after the default, in the order given; a typo is one line."""
+    from engine_bench import XLA_VARIANTS, pick_variants
+
+    assert list(pick_variants(None)) == list(XLA_VARIANTS) == list(pick_variants("all"))
+    picked = pick_variants("cuBLAS GEMMs + dynamic-slice fusion, cuBLAS GEMMs")
+    assert list(picked) == ["default", "cuBLAS GEMMs + dynamic-slice fusion", "cuBLAS GEMMs"]
+    assert picked["cuBLAS GEMMs"] == {"xla_gpu_enable_triton_gemm": False}
+    with pytest.raises(SystemExit, match="unknown XLA variant.*'cublas'"):
+        pick_variants("cublas")
+
+
 def test_step_profile_refuses_a_slice_too_big(monkeypatch):
     """1+8 at 256 experts (96 GB) on an 80 GB H100 (60 GB allocator limit): refused, naming --experts."""
     class Dev:
