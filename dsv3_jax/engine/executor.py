@@ -11,8 +11,8 @@ Owns: the paged latent cache and the per-slot state arrays (allocated and placed
 the cache dtype EngineConfig.kv_cache_dtype or the handle's names, its size logged in tokens),
 the page-table width (the most pages one sequence can hold, rounded to 8 columns), the compiled step
 programs (their compile key, the per-handle program dict engines over one handle share, the program
-store on disk (program_cache.py), warmup's parallel compile, compile counters and log lines), and the JAX
-persistent compilation cache setting.
+store on disk (program_cache.py), warmup's parallel compile with each kernel lowered once (lowering_memo),
+compile counters and log lines), and the JAX persistent compilation cache setting.
 Must not own requests, the schedule or page bookkeeping (core.py, scheduler.py, paging.py), the batch
 layout (step.py) or model math (model/).
 """
@@ -36,6 +36,7 @@ from dsv3_jax.engine import program_cache, step
 from dsv3_jax.engine.api import EngineConfig
 from dsv3_jax.model import kv_cache, layout
 from dsv3_jax.parallel import sharding
+from pallas_kernels import lowering_memo
 
 log = logging.getLogger(__name__)
 
@@ -217,7 +218,9 @@ class DeviceExecutor:
             ints = jax.ShapeDtypeStruct(ints.shape, ints.dtype, sharding=rep)
             floats = jax.ShapeDtypeStruct(floats.shape, floats.dtype, sharding=rep)
         fn = jax.jit(step.make_step(self.handle.model, key), donate_argnums=(1, 2))
-        with self.handle.mesh_context():
+        # Programs share kernels (greedy and full twins hold the same ones): each Mosaic GPU kernel is
+        # lowered once per process (pallas_kernels/lowering_memo.py), the serial part of a cold warmup.
+        with self.handle.mesh_context(), lowering_memo.memoized_lowering():
             return fn.lower(self.handle.params, self.cache, self.state, ints, floats)
 
     def _compile_lowered(self, lowered):
