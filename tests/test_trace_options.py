@@ -173,3 +173,68 @@ def test_engines_whose_options_differ_never_share_a_compiled_step():
     assert (other.stats["compiles"], other.stats["programs_loaded"]) == (1, 0)
     same.executor.warmup([key])
     assert (same.stats["compiles"], same.stats["programs_loaded"]) == (0, 1)
+
+
+def test_bf16_weights_on_a_gpu_compile_their_gemms_through_cublas(monkeypatch):
+    """executor.default_compiler_options: BF16 weights on a GPU get BF16_GEMM_OPTIONS (the stacked weights'
+    slices read in place), FP8 weights and the CPU none; EngineConfig.compiler_options override them key by
+    key, and the effective options are in the compile key."""
+    import types
+
+    from dsv3_jax.engine import executor
+
+    bf16, fp8 = types.SimpleNamespace(fp8=False), types.SimpleNamespace(fp8=True)
+    assert executor.default_compiler_options(bf16, "gpu") == executor.BF16_GEMM_OPTIONS
+    assert executor.default_compiler_options(bf16, "gpu") is not executor.BF16_GEMM_OPTIONS  # a copy
+    assert executor.default_compiler_options(fp8, "gpu") == {}
+    assert executor.default_compiler_options(bf16, "cpu") == {}
+
+    params = _params()
+    plain = Engine(ModelHandle(CFG, params), ECFG)
+    assert plain.executor.compiler_options == {}  # on this CPU
+    monkeypatch.setattr(executor, "default_compiler_options",
+                        lambda handle, platform: dict(executor.BF16_GEMM_OPTIONS))
+    gpu_like = Engine(ModelHandle(CFG, params), ECFG)
+    override = Engine(ModelHandle(CFG, params), dataclasses.replace(
+        ECFG, compiler_options={"xla_gpu_enable_triton_gemm": True}))
+    assert gpu_like.executor.compiler_options == executor.BF16_GEMM_OPTIONS
+    assert override.executor.compiler_options == {"xla_gpu_enable_triton_gemm": True,
+                                                  "xla_gpu_enable_dynamic_slice_fusion": True}
+    key = step.StepKey(tokens=4, rows=4, width=plain.width, spec_k=0, full=False)
+    assert len({e.executor.compile_key(key) for e in (plain, gpu_like, override)}) == 3
+
+
+@pytest.mark.gpu
+def test_bf16_gemm_options_change_no_result_on_the_gpu():
+    """The embedded default model (BF16) through the engine with BF16_GEMM_OPTIONS (its default on a GPU)
+    and with XLA's own GEMM choices: the same greedy tokens while no near tie decides them, the chosen
+    tokens' logprobs within bf16 rounding. A slice read from the wrong layer would change everything."""
+    import dsv3_jax
+    from dsv3_jax.engine import executor
+
+    h = dsv3_jax.load()
+    assert not h.fp8
+    cfg = EngineConfig(num_pages=64, max_batch=4, max_batched_tokens=256, chunk_size=256)
+    xla_own = {k: not v for k, v in executor.BF16_GEMM_OPTIONS.items()}  # Triton GEMMs on, no slice fusion
+    runs = []
+    for opts in (None, xla_own):
+        eng = Engine(h, dataclasses.replace(cfg, compiler_options=opts))
+        assert eng.executor.compiler_options == (executor.BF16_GEMM_OPTIONS if opts is None else xla_own)
+        prompts = [h.tokenizer.encode(p) for p in ("import os\n", "The capital of France is",
+                                                    "def fib(n):", "1, 2, 3, 5, 8,")]
+        rids = [eng.add_request(p, max_new_tokens=24, logprobs=2) for p in prompts]
+        for _ in eng.run():
+            pass
+        runs.append([eng.finished[r].output_logprobs for r in rids])
+    compared = 0
+    for a, b in zip(*runs, strict=True):
+        for x, y in zip(a, b, strict=False):
+            assert abs(x.logprob - y.logprob) <= 0.05, (x, y)
+            compared += 1
+            margin = min(x.top[0][1] - x.top[1][1], y.top[0][1] - y.top[1][1])
+            if x.token != y.token:
+                assert margin <= 0.1, (x, y)  # only a near tie may go either way
+                break
+            if margin <= 0.1:
+                break  # past a near tie the sequences may part
+    assert compared >= 40
