@@ -122,12 +122,13 @@ def compiled_programs(handle: Any) -> dict[tuple, Any]:
     return _COMPILED[hid]
 
 
-# BF16 weights on a GPU: the scanned layers' dense weights reach XLA's GEMMs as dynamic-slices of their
-# stacked parameters. As Triton GEMM fusions XLA copies each slice out first (7 copies a layer, 0.43 GB, on
-# the full-width slice); as cuBLAS calls with dynamic-slice fusion the GEMMs read them in place. The BF16
-# 1+2 slice's step on one H100 (step_profile.py --xla-variants, 2026-12-06): b=1 3.162 -> 2.603 ms, b=64
-# 16.885 -> 16.581 ms. FP8 linears are Pallas kernels (read in place already): FP8 models keep XLA's defaults.
-BF16_GEMM_OPTIONS: dict[str, Any] = {"xla_gpu_enable_triton_gemm": False, "xla_gpu_enable_dynamic_slice_fusion": True}
+# BF16 weights on a GPU: XLA's dense GEMMs as cuBLAS calls instead of Triton GEMM fusions. The BF16 1+2
+# slice's batch-1 step on one H100 (step_profile.py --xla-variants, 2026-12-06): 3.162 ms with XLA's
+# defaults, 2.648 with cuBLAS GEMMs, 2.603 with dynamic-slice fusion added (the stacked weights' slices then
+# read in place, not copied out: 7 copies a layer, 0.43 GB). That last flag is off by default in XLA and no
+# GPU run has checked its results here yet (tests/test_trace_options.py's GPU test does, at the next gate):
+# pass it through EngineConfig.compiler_options meanwhile. FP8 linears are Pallas kernels: no change.
+BF16_GEMM_OPTIONS: dict[str, Any] = {"xla_gpu_enable_triton_gemm": False}
 
 
 def default_compiler_options(handle: Any, platform: str) -> dict[str, Any]:
