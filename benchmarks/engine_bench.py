@@ -128,9 +128,9 @@ XLA_VARIANTS = {
     # A scanned layer's weights reach a cuBLAS GEMM or a custom call as a dynamic-slice of the stacked
     # parameter: without this XLA copies the slice out first (the BF16 slice's memcpy kernels, 2026-12-05).
     "dynamic-slice fusion": {"xla_gpu_enable_dynamic_slice_fusion": True},
-    # That fusion wraps cuBLAS GEMM custom calls; with Triton GEMM fusions on, XLA's dots reach it as
-    # gemm fusions and it did not fire on the BF16 1+2 slice (2026-12-06: the same 23 GB of moves). With
-    # Triton GEMMs off the dense dots are cuBLAS calls from the start.
+    # Dense dots as cuBLAS calls (Triton GEMM fusions off): the BF16 product default since 2026-12-06
+    # (executor.BF16_GEMM_OPTIONS). Dynamic-slice fusion did not remove the BF16 slice's weight copies with
+    # either GEMM choice (the same device time with and without it).
     "cuBLAS GEMMs": {"xla_gpu_enable_triton_gemm": False},
     "cuBLAS GEMMs + dynamic-slice fusion": {"xla_gpu_enable_triton_gemm": False,
                                             "xla_gpu_enable_dynamic_slice_fusion": True},

@@ -122,12 +122,12 @@ def compiled_programs(handle: Any) -> dict[tuple, Any]:
     return _COMPILED[hid]
 
 
-# BF16 weights on a GPU: XLA's dense GEMMs as cuBLAS calls instead of Triton GEMM fusions. The BF16 1+2
-# slice's batch-1 step on one H100 (step_profile.py --xla-variants, 2026-12-06): 3.162 ms with XLA's
-# defaults, 2.648 with cuBLAS GEMMs, 2.603 with dynamic-slice fusion added (the stacked weights' slices then
-# read in place, not copied out: 7 copies a layer, 0.43 GB). That last flag is off by default in XLA and no
-# GPU run has checked its results here yet (tests/test_trace_options.py's GPU test does, at the next gate):
-# pass it through EngineConfig.compiler_options meanwhile. FP8 linears are Pallas kernels: no change.
+# BF16 weights on a GPU: XLA's dense GEMMs as cuBLAS calls instead of Triton GEMM fusions, faster at the
+# decode step's few rows. The BF16 1+2 slice's step on one H100 (step_profile.py --xla-variants,
+# 2026-12-06): b=1 3.162 -> 2.648 ms wall, 2.748 -> 2.286 ms device; b=64 (with dynamic-slice fusion too)
+# 16.885 -> 16.581 ms. The layer scan's copies of the dense weights (7 a layer, 0.43 GB) remain: adding
+# xla_gpu_enable_dynamic_slice_fusion left the device time as it was (2.284 ms). FP8 linears are Pallas
+# kernels: no change there.
 BF16_GEMM_OPTIONS: dict[str, Any] = {"xla_gpu_enable_triton_gemm": False}
 
 
