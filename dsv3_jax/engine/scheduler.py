@@ -94,11 +94,17 @@ class Request:
 
     def token_slice(self, a: int, b: int) -> list[int]:
         """tokens[a:b] (prompt, then output, then drafts) without building the whole list: a 128K
-        prompt is sliced every step of its prefill."""
-        p = len(self.prompt)
+        prompt is sliced every step of its prefill, and every decode row's last token every step (copying
+        its output to concatenate the drafts cost 0.54 ms a step for 32 rows of 8,500 output tokens)."""
+        p, o = len(self.prompt), len(self.output)
         if b <= p:
             return self.prompt[a:b]
-        return (self.prompt[a:] if a < p else []) + (self.output + self.drafts)[max(a - p, 0):b - p]
+        out = self.prompt[a:] if a < p else []
+        a_out, b_out = max(a - p, 0), b - p
+        out += self.output[a_out:min(b_out, o)]
+        if b_out > o:
+            out += self.drafts[max(a_out - o, 0):b_out - o]
+        return out
 
     def metrics(self) -> dict[str, float | None]:
         """Per-request timings (engine clock: compile time excluded); None where undefined."""
