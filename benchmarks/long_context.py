@@ -440,8 +440,14 @@ def sec_stall(args, res: dict, eng: Engine, cfg, rng, left) -> None:
                                           "prefix_at_start": args.stall_len // 2, **gpu_busy(d)}
     drive(eng, done, steps, trace)
     t_done = eng.clock()
-    trace.close()
     ok = long_rid in eng.finished
+    # Decoding alone again after the long prompt: the decoders' contexts grew by as many tokens as steps ran
+    # (~8.8K in the 128K run), so this, not the 4K "before", is the same-context reference for the steps
+    # during.
+    drive(eng, lambda: not ok or eng.clock() - t_done > args.baseline_s
+          or any(len(r.output) >= r.max_new_tokens for r in reqs()), trace=trace)
+    t_after = eng.clock()
+    trace.close()
 
     times = [r.token_times for r in reqs()]
     base, during = itl_gaps(times, t_base, t_arrive), itl_gaps(times, t_arrive, t_done, profiled)
@@ -454,11 +460,17 @@ def sec_stall(args, res: dict, eng: Engine, cfg, rng, left) -> None:
                itl_max_during_ms=1e3 * float(during.max()), compiles_during=eng.stats["compiles"] - c0,
                decoder_ctx_at_end=args.decode_ctx + max(len(r.output) for r in reqs()))
     out["p99_during_over_p50_before"] = out["itl_p99_during_ms"] / out["itl_p50_before_ms"]
+    after = itl_gaps(times, t_done, t_after)
+    if len(after):
+        out.update(after_gaps=len(after), itl_p50_after_ms=1e3 * pct(after, 50),
+                   p99_during_over_p50_after=out["itl_p99_during_ms"] / (1e3 * pct(after, 50)),
+                   decoder_ctx_after=args.decode_ctx + max(len(r.output) for r in reqs()))
     # The long prompt's chunk in each step that carried it (every other row decodes one token).
     chunks = [t - (r - 1) for _, t, r in steps if r > args.decoders]
     out["steps_during"] = len(steps)
     out["step_phases_before"] = trace.summary(t_base, t_arrive)
     out["step_phases_during"] = trace.summary(t_arrive, t_done, profiled)
+    out["step_phases_after"] = trace.summary(t_done, t_after)
     out["long_chunk_tokens"] = {"first": chunks[0], "median": float(np.median(chunks)), "last": chunks[-1],
                                 "steps": len(chunks)} if chunks else None
     for i in rids:
@@ -904,7 +916,10 @@ def report(res: dict) -> None:
               f"chunk {s['chunk_size']}, budget {s['max_batched_tokens']}"
               + (f"; {s['profiled_gaps_left_out']} gaps in the profiler's window left out"
                  if s.get("profiled_gaps_left_out") else ""))
-        for when in ("before", "during"):
+        if "itl_p50_after_ms" in s:
+            print(f"    after it, decoding alone at {s['decoder_ctx_after']:,} context: ITL p50 {s['itl_p50_after_ms']:.2f} "
+                  f"ms -> p99 during / p50 after {s['p99_during_over_p50_after']:.2f}")
+        for when in ("before", "during", "after"):
             ph = s.get(f"step_phases_{when}") or {}
             if ph.get("calls"):
                 print(f"    step() {when}: {ph['calls']} calls, p50 ms: " + ", ".join(

@@ -204,7 +204,10 @@ def test_long_context_benchmark_runs_end_to_end_at_toy_sizes(tmp_path):
     assert s["long_finished"] and s["baseline_gaps"] > 0 and s["during_gaps"] > 0
     assert s["compiles_during"] == 0
     # The step trace: every phase timed, the phases inside the wall, mixed programs during the prompt.
-    for when in ("before", "during"):
+    # Decoding alone again after the long prompt, at the decoders' grown context.
+    assert s["after_gaps"] > 0 and s["decoder_ctx_after"] > s["decode_ctx"]
+    assert s["p99_during_over_p50_after"] == pytest.approx(s["itl_p99_during_ms"] / s["itl_p50_after_ms"])
+    for when in ("before", "during", "after"):
         ph = s[f"step_phases_{when}"]
         assert ph["calls"] > 0 and sum(ph["programs"].values()) == ph["calls"]
         parts = sum(ph[f"{k}_ms"]["mean"] for k in long_context.StepTrace.PHASES)
