@@ -76,7 +76,8 @@ def _memoized(gpu_mesh, jax_mesh, jaxpr, in_shapes, out_shapes, params, *, outer
         bytecode, rest = hit
         return dataclasses.replace(rest, module=ir.Module.parse(bytecode))
     stats["misses"] += 1
-    result = _original(gpu_mesh, jax_mesh, jaxpr, in_shapes, out_shapes, params, outer_traceback=outer_traceback)
+    result = _original(gpu_mesh, jax_mesh, jaxpr, in_shapes, out_shapes, params,
+                       outer_traceback=outer_traceback)
     # Stored as bytes: the module belongs to this lowering's MLIR context. Written before the serde pass
     # (which runs later, on each program's own copy).
     text = mlir.module_to_bytecode(result.module)

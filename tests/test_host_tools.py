@@ -47,7 +47,8 @@ def test_host_profile_writes_the_profile_and_its_tables(tmp_path, capsys):
         sys.exit(3)
     """)
     out = tmp_path / "p.prof"
-    assert host_profile.main(["--out", str(out), "--top", "5", "--only", "work.py", "--", str(script), "20000"]) == 3
+    argv = ["--out", str(out), "--top", "5", "--only", "work.py", "--", str(script), "20000"]
+    assert host_profile.main(argv) == 3
     assert out.stat().st_size > 0
     text = capsys.readouterr().out
     assert "busy_function_here" in text and "=== by tottime (only work.py)" in text
@@ -64,8 +65,9 @@ def test_host_profile_survives_a_timeout(tmp_path):
         sleeping_loop()
     """)
     out = tmp_path / "t.prof"
-    proc = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "host_profile.py"), "--out", str(out), "--",
-                             str(script)], stdout=subprocess.PIPE, text=True)
+    tool = str(ROOT / "benchmarks" / "host_profile.py")
+    proc = subprocess.Popen([sys.executable, tool, "--out", str(out), "--", str(script)],
+                            stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "started"
     time.sleep(0.3)
     proc.send_signal(signal.SIGTERM)

@@ -195,8 +195,8 @@ def test_bf16_weights_on_a_gpu_compile_their_gemms_through_cublas(monkeypatch):
     monkeypatch.setattr(executor, "default_compiler_options",
                         lambda handle, platform: dict(executor.BF16_GEMM_OPTIONS))
     gpu_like = Engine(ModelHandle(CFG, params), ECFG)
-    override = Engine(ModelHandle(CFG, params), dataclasses.replace(
-        ECFG, compiler_options={"xla_gpu_enable_triton_gemm": True, "xla_gpu_enable_dynamic_slice_fusion": True}))
+    mine = {"xla_gpu_enable_triton_gemm": True, "xla_gpu_enable_dynamic_slice_fusion": True}
+    override = Engine(ModelHandle(CFG, params), dataclasses.replace(ECFG, compiler_options=mine))
     assert gpu_like.executor.compiler_options == executor.BF16_GEMM_OPTIONS
     assert override.executor.compiler_options == {"xla_gpu_enable_triton_gemm": True,
                                                   "xla_gpu_enable_dynamic_slice_fusion": True}
