@@ -15,26 +15,38 @@ a cold warmup pays it per program.
 
 Must not: change any lowering's result, hold MLIR objects across contexts (only bytes are kept), or
 memoize a kernel whose jaxpr closes over array constants (their values are not in the text: such a
-lowering is computed, not looked up).
+lowering is computed, not looked up). It patches one JAX-internal function, only inside the block; a JAX
+without it turns the memo off with a warning.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import threading
 from collections.abc import Iterator
 from typing import Any
 
-from jax._src import core as jax_core
-from jax._src.interpreters import mlir
-from jax._src.lib.mlir import ir
-from jax._src.pallas.mosaic_gpu import lowering as mgpu_lowering
+log = logging.getLogger(__name__)
+
+# JAX internals (checked against jax 0.11.2). If a JAX release moves them, the memo turns itself off with one
+# warning and lowering is JAX's own: slower cold warmups, the same programs.
+try:
+    from jax._src import core as jax_core
+    from jax._src.interpreters import mlir
+    from jax._src.lib.mlir import ir
+    from jax._src.pallas.mosaic_gpu import lowering as mgpu_lowering
+
+    _original = mgpu_lowering.lower_unpipelined_jaxpr_to_module
+    unavailable: str | None = None
+except (ImportError, AttributeError) as e:  # pragma: no cover - depends on the JAX version
+    mgpu_lowering, _original, unavailable = None, None, f"{type(e).__name__}: {e}"
 
 _lock = threading.Lock()
 _memo: dict[tuple, tuple[bytes, Any]] = {}  # key -> (module bytecode, LoweringResult without its module)
 _depth = 0  # nested memoized_lowering() scopes; the patch is installed while > 0
-_original = mgpu_lowering.lower_unpipelined_jaxpr_to_module
+_warned = False
 stats = {"hits": 0, "misses": 0, "uncacheable": 0}
 
 
@@ -89,8 +101,16 @@ def _memoized(gpu_mesh, jax_mesh, jaxpr, in_shapes, out_shapes, params, *, outer
 @contextlib.contextmanager
 def memoized_lowering() -> Iterator[None]:
     """Lower Mosaic GPU kernels through the process-wide memo inside this block (re-entrant; lowering
-    outside any such block is JAX's own)."""
-    global _depth
+    outside any such block is JAX's own). Where this JAX lacks the internals it patches, the block does
+    nothing but warn once."""
+    global _depth, _warned
+    if _original is None:
+        if not _warned:
+            log.warning("Mosaic GPU kernel lowering memo off (%s): each program lowers its kernels itself",
+                        unavailable)
+            _warned = True
+        yield
+        return
     with _lock:
         _depth += 1
         if _depth == 1:

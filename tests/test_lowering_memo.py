@@ -81,3 +81,16 @@ def test_other_shapes_are_other_kernels():
             _lower(_gemm, 64)
     assert lowering_memo.stats == {"hits": 1, "misses": 2, "uncacheable": 0}
     assert mgpu_lowering.lower_unpipelined_jaxpr_to_module is lowering_memo._original
+
+
+def test_a_jax_without_the_internals_turns_the_memo_off_with_one_warning(monkeypatch, caplog):
+    monkeypatch.setattr(lowering_memo, "_original", None)
+    monkeypatch.setattr(lowering_memo, "unavailable", "AttributeError: moved")
+    monkeypatch.setattr(lowering_memo, "_warned", False)
+    with caplog.at_level("WARNING", logger="pallas_kernels.lowering_memo"):
+        for _ in range(2):
+            with lowering_memo.memoized_lowering():
+                _lower(_gemm, 64)
+    assert lowering_memo.stats == {"hits": 0, "misses": 0, "uncacheable": 0}  # JAX lowered both itself
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and "memo off (AttributeError: moved)" in warnings[0]
