@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 import types
 from pathlib import Path
 
@@ -29,6 +28,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from long_context import StepTrace  # noqa: E402
 
 from dsv3_jax.config import ModelConfig  # noqa: E402
 from dsv3_jax.engine import step as step_mod  # noqa: E402
@@ -73,54 +74,34 @@ def slice_handle(moe_layers: int) -> types.SimpleNamespace:
     return types.SimpleNamespace(config=cfg, params={}, mesh=None, executor_factory=None)
 
 
-def timed_phases(eng: Engine) -> dict[str, float]:
-    """Wrap the scheduler, step.build and the commit on this engine: seconds per phase of the current step."""
-    cur: dict[str, float] = {}
-
-    def wrap(obj, name: str, phase: str) -> None:
-        fn = getattr(obj, name)
-
-        def run(*a, **k):
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                cur[phase] = cur.get(phase, 0.0) + time.perf_counter() - t0
-        setattr(obj, name, run)
-
-    wrap(eng.sched, "schedule", "schedule")
-    wrap(eng, "_commit", "commit")
-    wrap(step_mod, "build", "build")
-    return cur
-
-
 def run(args) -> dict:
     handle = slice_handle(args.moe_layers)
     cfg = EngineConfig(num_pages=args.num_pages, page_size=64, max_batch=args.decoders + 8,
-                       max_batched_tokens=4096, chunk_size=4096, prefill_attention_pairs=args.prefill_attention_pairs,
-                       token_buckets=(128, 512), row_buckets=(1,))
+                       max_batched_tokens=4096, chunk_size=4096,
+                       prefill_attention_pairs=args.prefill_attention_pairs, token_buckets=(128, 512),
+                       row_buckets=(1,))
     eng = Engine(handle, cfg, executor=HostOnlyExecutor(cfg, handle.config.max_position_embeddings))
     rng = np.random.default_rng(0)
     vocab = handle.config.vocab_size
+    budget = handle.config.max_position_embeddings - args.decode_ctx
     for _ in range(args.decoders):
-        eng.add_request(rng.integers(8, vocab, args.decode_ctx).tolist(), max_new_tokens=handle.config.max_position_embeddings - args.decode_ctx)
+        eng.add_request(rng.integers(8, vocab, args.decode_ctx).tolist(), max_new_tokens=budget)
     while any(len(r.output) < 2 for r in eng.running) or eng.waiting:
         eng.step()
     long_rid = eng.add_request(rng.integers(8, vocab, args.long_prompt).tolist(), max_new_tokens=1)
-    orig_build = step_mod.build
-    phases = timed_phases(eng)
+    trace = StepTrace(eng)  # long_context's per-phase timing of Engine.step(), the same phases as the GPU run
     rows = []
     try:
         while long_rid not in eng.finished:
             long_req = next((r for r in (*eng.running, *eng.waiting) if r.rid == long_rid), None)
-            prefix = long_req.computed if long_req else args.long_prompt
-            phases.clear()
-            t0 = time.perf_counter()
+            trace.begin()
             eng.step()
-            rows.append({"prefix": prefix, "ms": 1e3 * (time.perf_counter() - t0),
-                         **{k: 1e3 * v for k, v in phases.items()}})
+            trace.end(eng)
+            ph = trace.rows[-1]
+            rows.append({"prefix": long_req.computed if long_req else args.long_prompt, "ms": 1e3 * ph["wall"],
+                         **{k: 1e3 * ph.get(k, 0.0) for k in ("schedule", "build", "commit")}})
     finally:
-        step_mod.build = orig_build  # timed_phases patched the module: later engines are not timed
+        trace.close()
     bands = []
     edges = np.linspace(0, args.long_prompt, args.bands + 1)
     for lo, hi in zip(edges[:-1], edges[1:], strict=True):
@@ -134,7 +115,8 @@ def run(args) -> dict:
             band[key] = {"p50": float(np.median(v)), "p90": float(np.percentile(v, 90))}
         bands.append(band)
     decoder_out = max(len(r.output) for r in eng.running if r.rid != long_rid)
-    return {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "steps": len(rows), "decoder_output_at_end": decoder_out, "bands": bands}
+    return {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            "steps": len(rows), "decoder_output_at_end": decoder_out, "bands": bands}
 
 
 def main(argv: list[str] | None = None) -> dict:
