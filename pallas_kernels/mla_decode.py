@@ -133,13 +133,13 @@ def split_plan(batch: int, row_tiles: int, max_pages: int, num_sms: int = DEFAUL
 
     So long rows get more CTAs, chosen at run time from the lengths (`long_row_windows`): a row is long when
     one of its `num_splits` shares would walk more than LONG_ROW_PAGES (128 pages, ~0.3 ms, 2x a 4K
-    decode row's whole walk: steady-state decode never qualifies). The first `long_rows` long rows, n of
-    them, each share their pages among c CTAs per tile, c = num_sms // (n x tiles) clipped to
-    [num_splits, num_splits + L // n] with L = long_rows x LONG_SPLITS long CTAs in all (one wave: 176
-    CTAs of 512 pages would be two waves, 1,024 pages): the base splits take the first num_splits / c of
-    the pages, c - num_splits long CTAs the rest; their partials [L, R_pad, 512] are merged into the row
-    after the base merge (`merge_long_rows`). At the stall step: 22 long rows x 2 tiles x 3 = 132 CTAs of
-    683 pages (1.6 ms) instead of 44 of 2,048 (4.8 ms); 15 rows (the default cap's chunk at 128K): 120
+    decode row's whole walk: steady-state decode never qualifies). The `long_rows` longest long rows share
+    a tile's num_sms // tiles CTAs (one wave: 176 CTAs of 512 pages would be two waves, 1,024 pages) in
+    proportion to their pages, each at most num_splits + L // m CTAs a tile with L = long_rows x LONG_SPLITS
+    long CTAs in all (m rows extended; `long_row_windows`): the base splits take the first num_splits / c
+    of a row's pages, its c - num_splits long CTAs the rest; their partials [L, R_pad, 512] are merged into
+    the row after the base merge (`merge_long_rows`). At the stall step: 22 long rows x 2 tiles x 3 = 132
+    CTAs of 683 pages (1.6 ms) instead of 44 of 2,048 (4.8 ms); 15 rows (the default cap's chunk at 128K): 120
     CTAs of 512; 8 rows: 128 of 256; 1 row: 132 of 31. (Until 2026-12-06 a long row got at most
     LONG_SPLITS long CTAs whatever n: one long row then took 8 CTAs of 512 pages, 1.17 ms a layer on the
     H200 where 132 CTAs of 31 pages need ~0.1: the floor under every small capped chunk, measured by
@@ -168,34 +168,51 @@ class LongRows(NamedTuple):
     """The run-time part of a `SplitPlan` (`long_row_windows`)."""
 
     head: jax.Array  # [B] pages [0, head) the row's base splits share (max_pages: all; the row is not long)
-    idx: jax.Array  # [long_rows] the long rows in order, B in a free slot
-    extra: jax.Array  # () long splits each long row uses, 0 .. long_splits
+    idx: jax.Array  # [long_rows] the long rows, longest first, B in a free slot
+    extra: jax.Array  # [long_rows] long CTAs each slot's row uses (0 .. long_rows * long_splits; 0 when free)
 
 
 def long_row_windows(pages: jax.Array, plan: SplitPlan, max_pages: int) -> LongRows:
-    """Which rows are long and how their pages are shared, from each row's pages [B] (`split_plan`): n long
-    rows taken, c = clip(plan.fill // n, num_splits, num_splits + long_rows * long_splits // n) CTAs per
-    tile each; the base splits take the first num_splits / c of a long row's pages, c - num_splits long
-    CTAs the rest, so its CTAs walk equal shares."""
+    """Which rows are long and how their pages are shared, from each row's pages [B] (`split_plan`).
+
+    The `long_rows` longest long rows are taken (a row is long when a base share walks more than
+    `long_pages`). A tile's `fill` CTAs (one wave) are divided among them in proportion to their pages:
+    c_i = floor(fill * p_i / P), P the pages of the rows that get more than their `num_splits` base CTAs
+    (one refinement: rows too short for a CTA of their own, like decode rows just past 8K beside a 128K
+    chunk, keep their base splits and leave the wave to the others). Equal rows get fill // n each, as
+    before 2026-12-07; unequal rows no longer do: 32 decode rows at 9K made the 128K chunk's rows long
+    rows among 43, one CTA a tile of 2,048 pages each (the 128K stall run's extra ~11 ms a step, found
+    2026-12-07). Each row's long CTAs are capped at L // m (L = long_rows * long_splits long items, m rows
+    extended), so every row's items fit the list; the base splits take the first num_splits / c_i of the
+    row's pages, its c_i - num_splits long CTAs the rest, so its CTAs walk equal shares."""
     bsz = pages.shape[0]
     ns, nl, ks, long_pages, fill = plan
+    pages = pages.astype(jnp.int32)
     is_long = pl.cdiv(pages, ns) > long_pages
-    rank = jnp.cumsum(is_long.astype(jnp.int32)) - 1
-    taken = is_long & (rank < nl)
-    idx = jnp.full((nl,), bsz, jnp.int32).at[jnp.where(taken, rank, nl)].set(
-        jnp.arange(bsz, dtype=jnp.int32), mode="drop")
-    n = jnp.maximum(jnp.sum(taken.astype(jnp.int32)), 1)
-    shares = jnp.clip(fill // n, ns, ns + (nl * ks) // n)
-    head = jnp.where(taken & (shares > ns), pl.cdiv(pages * ns, shares), max_pages)
-    return LongRows(head.astype(jnp.int32), idx, (shares - ns).astype(jnp.int32))
+    # Longest first (stable: equal rows keep their order); rows that are not long sort last.
+    order = jnp.argsort(jnp.where(is_long, -pages, 1), stable=True).astype(jnp.int32)
+    if nl > bsz:
+        order = jnp.concatenate([order, jnp.full((nl - bsz,), bsz, jnp.int32)])
+    cand = order[:nl]
+    occupied = (cand < bsz) & is_long[jnp.minimum(cand, bsz - 1)]
+    idx = jnp.where(occupied, cand, bsz)
+    p = jnp.where(occupied, pages[jnp.minimum(cand, bsz - 1)], 0)  # [nl] each slot's pages
+    share = (fill * p) // jnp.maximum(jnp.sum(p), 1)
+    big = occupied & (share > ns)
+    p_big = jnp.maximum(jnp.sum(jnp.where(big, p, 0)), 1)
+    per_row_cap = (nl * ks) // jnp.maximum(jnp.sum(big.astype(jnp.int32)), 1)
+    extra = jnp.where(big, jnp.clip((fill * p) // p_big - ns, 0, per_row_cap), 0).astype(jnp.int32)
+    row_extra = jnp.zeros((bsz,), jnp.int32).at[idx].set(extra, mode="drop")
+    head = jnp.where(row_extra > 0, pl.cdiv(pages * ns, ns + row_extra), max_pages)
+    return LongRows(head.astype(jnp.int32), idx.astype(jnp.int32), extra)
 
 
 def work_items(bsz: int, plan: SplitPlan, max_pages: int, long: LongRows | None = None) -> jax.Array:
     """The kernel's work list [I, 5] int32, I = B * num_splits + long_rows * long_splits: per item (row,
     lo, hi, part, parts): it walks share `part` of `parts` of the pages [lo, hi) of each of the row's tiles
     (clipped to the tile's own pages). Base items first, row-major (item b * S + s, pages [0, head)), then
-    the long items: long item j belongs to long slot j // extra as its share j % extra of [head,
-    max_pages) (`long_item_slots`); an item of a free slot or past the last slot walks nothing."""
+    the long items: each slot's extra[l] items in a run, one share each of its row's [head, max_pages)
+    (`long_item_slots`); an item past the last run walks nothing."""
     ns, nl, ks = plan[:3]
     # Built on the host when static (a literal in the program, no op on the device).
     rows = np.repeat(np.arange(bsz, dtype=np.int32), ns)
@@ -206,24 +223,28 @@ def work_items(bsz: int, plan: SplitPlan, max_pages: int, long: LongRows | None 
     head, idx, extra = long
     base = jnp.asarray(base).at[:, 2].set(jnp.repeat(head, ns))
     slot, part, used = long_item_slots(nl * ks, idx, extra, bsz)
-    src = jnp.where(used, idx[jnp.minimum(slot, nl - 1)], 0)
+    at = jnp.minimum(slot, nl - 1)
+    src = jnp.where(used, idx[at], 0)
     lo = jnp.where(used, head[src], 0)
     hi = jnp.where(used, max_pages, 0)
-    parts = jnp.full((nl * ks,), jnp.maximum(extra, 1), jnp.int32)
+    parts = jnp.maximum(jnp.where(used, extra[at], 1), 1)
     return jnp.concatenate([base, jnp.stack([src, lo, hi, part, parts], axis=1).astype(jnp.int32)])
 
 
 def long_item_slots(num_long: int, idx: jax.Array, extra: jax.Array, bsz: int
                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """For the `num_long` long items: (slot [L], share [L], used [L]): item j serves long slot j // extra
-    as its share j % extra; used when that slot holds a row (idx < bsz) and extra > 0. The one owner of
-    the item -> slot rule (`work_items` lays the items out by it, `merge_long_rows` merges by it)."""
+    """For the `num_long` long items: (slot [L], share [L], used [L]): the slots' items lie one after the
+    other, extra[l] of them for slot l (extra [nl]); item j serves the slot whose run holds j, as its share
+    j - (the items before that slot); used when that slot holds a row (idx < bsz) and j is inside a run.
+    The one owner of the item -> slot rule (`work_items` lays the items out by it, `merge_long_rows` merges
+    by it); slots are nondecreasing in j and unused items come last."""
     j = jnp.arange(num_long, dtype=jnp.int32)
-    per = jnp.maximum(extra, 1)
-    slot = j // per
     nl = idx.shape[0]
-    used = (extra > 0) & (slot < nl) & (idx[jnp.minimum(slot, nl - 1)] < bsz)
-    return slot, j % per, used
+    ends = jnp.cumsum(extra.astype(jnp.int32))  # [nl] one past each slot's last item
+    slot = jnp.sum((ends[None, :] <= j[:, None]).astype(jnp.int32), axis=1)  # [L] in 0 .. nl
+    at = jnp.minimum(slot, nl - 1)
+    used = (slot < nl) & (idx[at] < bsz)
+    return slot, j - (ends[at] - extra[at]), used
 
 
 def item_pages(items, tile_pages) -> np.ndarray:
@@ -645,7 +666,7 @@ def attend_items(run, q_latent: jax.Array, block_table: jax.Array, q_start: jax.
 def merge_long_rows(base_out: jax.Array, base_lse: jax.Array, long_out: jax.Array, long_lse: jax.Array,
                     long_idx: jax.Array, extra: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Base partials [B, S, R_pad, 512] / [B, S, R_pad] and the long items' partials [L, R_pad, 512] /
-    [L, R_pad] (item j serves long slot j // extra, `long_item_slots`; slot l belongs to row long_idx[l],
+    [L, R_pad] (item j serves the long slot `long_item_slots` gives; slot l belongs to row long_idx[l],
     B = free) -> out [B, R_pad, 512] (partials' dtype), lse [B, R_pad]: the base splits merged, then each
     long row's merged base and its long partials merged again (log-sum-exp as `merge_partials`, the long
     partials summed per slot by segment sums since `extra` is known only at run time), written back to

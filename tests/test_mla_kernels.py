@@ -265,13 +265,15 @@ def test_decode_gpu_mtp_and_prefill():
 
 
 @pytest.mark.gpu
-def test_long_rows_among_short_gpu():
+@pytest.mark.parametrize("decode_len", [4096, 9000])
+def test_long_rows_among_short_gpu(decode_len):
     """The stall step's shape at a 32K prefix on the GPU, default plan (`split_plan`: 1 base split, long
-    rows shared by 3 CTAs a tile): 32 rows at 4K, 22 long rows, H=128, T=1, against the reference."""
+    rows sharing a tile's 66 CTAs by pages): 32 rows at 4K (short) or 9K (long rows too, not extended:
+    unequal long CTAs per slot), 22 long rows, H=128, T=1, against the reference."""
     from pallas_kernels.mla_decode import paged_mla_attention, split_plan
 
     rng = np.random.default_rng(29)
-    lens = [4096] * 32 + [32768 - 21 + i for i in range(22)]
+    lens = [decode_len] * 32 + [32768 - 21 + i for i in range(22)]
     kv, table = _make_cache(rng, lens, extra_pages=1, poison_unused=False)
     assert split_plan(len(lens), 2, table.shape[1])[:3] == (1, 44, 3)
     ql, qr = _queries(rng, (len(lens), 1, 128))
@@ -531,19 +533,49 @@ def test_long_rows_share_their_pages_and_short_rows_are_untouched():
         assert old[..., 1].max() == 2048
 
 
-def test_more_long_rows_than_slots_leaves_the_rest_whole():
+def test_more_long_rows_than_slots_takes_the_longest_and_shares_by_pages():
     from pallas_kernels.mla_decode import SplitPlan, long_row_windows
 
     pages = jnp.asarray([300, 10, 400, 500, 0], jnp.int32)
     head, idx, extra = long_row_windows(pages, SplitPlan(1, 2, 3), 512)
-    assert np.asarray(idx).tolist() == [0, 2]  # the first two long rows, in order
-    assert np.asarray(head).tolist() == [75, 512, 100, 512, 512] and extra == 3  # a quarter each; row 3 whole
-    # Only 6 CTAs to fill: 3 per long row, so 2 of the 3 long splits are used.
+    assert np.asarray(idx).tolist() == [3, 2]  # the two longest long rows; row 0 stays whole
+    # Both want far more than the 6 long CTAs allow: 3 each (L // 2), a quarter of the pages a CTA.
+    assert np.asarray(extra).tolist() == [3, 3]
+    assert np.asarray(head).tolist() == [512, 512, 100, 125, 512]
+    # 6 CTAs to fill, shared by pages: 500 -> 3 CTAs (2 long), 400 -> 2 (1 long).
     head, idx, extra = long_row_windows(pages, SplitPlan(1, 2, 3, fill=6), 512)
-    assert np.asarray(head).tolist() == [100, 512, 134, 512, 512] and extra == 2
+    assert np.asarray(extra).tolist() == [2, 1] and np.asarray(head).tolist() == [512, 512, 200, 167, 512]
     # Many long rows and few CTAs: none extended (the base split takes everything).
     head, _, extra = long_row_windows(pages, SplitPlan(1, 2, 3, fill=2), 512)
-    assert np.asarray(head).tolist() == [512] * 5 and extra == 0
+    assert np.asarray(head).tolist() == [512] * 5 and np.asarray(extra).tolist() == [0, 0]
+
+
+def test_decode_rows_past_8k_do_not_starve_a_long_chunk():
+    """The 128K stall run of 2026-12-06: once the 32 decode rows passed 8K tokens (129 pages) they counted
+    as long rows too, 43 of them shared a tile's 66 CTAs equally (one each), and each of the chunk's rows
+    was walked by one CTA a tile: 1,563-1,920 pages where 240-261 were walked while the decoders were at
+    4K. Shared by pages, the chunk's rows keep their CTAs and the decode rows their one each."""
+    from pallas_kernels.mla_decode import item_pages, long_row_windows, row_pages, split_plan, work_items
+
+    width = 2560
+    for decode_ctx in (4096, 9000, 13000):
+        for chunk, prefix, b in ((11, 100_000, 128), (8, 122_880, 40), (16, 65_536, 128), (22, 131_072, 128)):
+            lens = np.zeros(b, np.int32)
+            lens[:32] = decode_ctx
+            lens[32:32 + chunk] = prefix - chunk + 1 + np.arange(chunk)
+            kv_len = jnp.asarray(lens)
+            pages = row_pages(jnp.maximum(kv_len - 1, 0), kv_len, 1, width)
+            plan = split_plan(b, 2, width)
+            items = np.asarray(work_items(b, plan, width, long_row_windows(pages, plan, width)))
+            tile_pages = np.repeat(np.asarray(pages)[:, None], 2, axis=1)
+            walk = item_pages(items, tile_pages)
+            balanced = -(-int(np.asarray(pages).sum()) // plan.fill)  # one wave's even share
+            assert walk[..., 1].max() <= 1.6 * balanced, (decode_ctx, chunk, walk[..., 1].max(), balanced)
+            for row in (0, 32, 31 + chunk):  # a decode row and the chunk's first and last: covered once
+                mine = items[:, 0] == row
+                for t in range(2):
+                    spans = sorted((f, f + c) for f, c in walk[mine, t] if c)
+                    assert [p for lo, hi in spans for p in range(lo, hi)] == list(range(tile_pages[row, t]))
 
 
 # Mixed short and long rows through the kernel with long-row splits forced at small sizes (a row is long
