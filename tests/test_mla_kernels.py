@@ -578,6 +578,34 @@ def test_decode_rows_past_8k_do_not_starve_a_long_chunk():
                     assert [p for lo, hi in spans for p in range(lo, hi)] == list(range(tile_pages[row, t]))
 
 
+def test_no_cta_walks_much_more_than_a_balanced_share_in_engine_mixes():
+    """Over the engine's mixes (1-64 decode rows at 1K-64K beside a chunk of 1-64 tokens at a 16K-160K
+    prefix, in the 40/128/512-row programs) no CTA walks more than twice a wave's even share of the pages
+    (or LONG_ROW_PAGES, under which a row is not split): whole CTAs a row and one wave make ~1.94x the
+    worst case (32 rows at 64K beside one 128K row: each decode row's share is 1.94 CTAs, it gets 1)."""
+    import itertools
+
+    from pallas_kernels.mla_decode import item_pages, long_row_windows, row_pages, split_plan, work_items
+
+    width = 2624
+    worst = 0.0
+    for dec, prefix, chunk, ndec in itertools.product((1024, 8193, 16384, 65536), (16384, 131072, 163840),
+                                                      (1, 16, 64), (1, 32, 64)):
+        n = ndec + chunk
+        b = next(x for x in (40, 128, 512) if x >= n)
+        lens = np.zeros(b, np.int32)
+        lens[:ndec] = dec
+        lens[ndec:n] = prefix - chunk + 1 + np.arange(chunk)
+        kv_len = jnp.asarray(lens)
+        pages = row_pages(jnp.maximum(kv_len - 1, 0), kv_len, 1, width)
+        plan = split_plan(b, 2, width)
+        long = long_row_windows(pages, plan, width) if plan.long_rows else None
+        walk = item_pages(work_items(b, plan, width, long), np.repeat(np.asarray(pages)[:, None], 2, axis=1))
+        balanced = -(-int(np.asarray(pages).sum()) // plan.fill)
+        worst = max(worst, walk[..., 1].max() / max(balanced, plan.long_pages))
+    assert 1.0 <= worst <= 2.0, worst
+
+
 # Mixed short and long rows through the kernel with long-row splits forced at small sizes (a row is long
 # past 2 pages a base split): (heads, queries, lengths, plan).
 LONG_CASES = [
