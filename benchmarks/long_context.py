@@ -55,6 +55,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -230,6 +231,9 @@ class StepTrace:
     def __init__(self, eng: Engine):
         self.rows: list[dict] = []
         self._cur: dict = {}
+        # Optional: a value recorded with each step call (the stall sets the long prompt's progress, so the
+        # steps can be told apart by prefix: `by_mark`).
+        self.mark: Callable[[], int] | None = None
         self._wrapped: list[tuple[object, str]] = []
         self._wrap(eng.sched, "schedule", "schedule")
         self._wrap(eng, "_execute", "execute")
@@ -282,12 +286,28 @@ class StepTrace:
 
     def begin(self) -> None:
         self._cur = {"t0": time.perf_counter()}
+        if self.mark is not None:  # read before the step (the stall: the prefix this step's chunk starts at)
+            self._cur["mark"] = self.mark()
 
     def end(self, eng: Engine) -> None:
         c = self._cur
         c["wall"] = time.perf_counter() - c.pop("t0")
         c["clock"] = eng.clock()
         self.rows.append(c)
+
+    def by_mark(self, bucket: int, exclude: tuple[float, float] | None = None) -> list[dict]:
+        """Step calls grouped by their mark in buckets of `bucket` (rows without a mark left out): per
+        bucket its first mark, the calls, and the p50 wall and wait (ms). For the stall, by prefix: a cost
+        that appears only past some prefix (or decoder context) shows as a step in this list, where the
+        whole run's p50 hides it (as the long-row rule's did, 2026-12-06)."""
+        groups: dict[int, list[dict]] = {}
+        for r in self.rows:
+            if "mark" in r and not (exclude and exclude[0] < r["clock"] <= exclude[1]):
+                groups.setdefault(r["mark"] // bucket, []).append(r)
+        return [{"from": k * bucket, "calls": len(v),
+                 "wall_p50_ms": float(np.median([1e3 * r["wall"] for r in v])),
+                 "wait_p50_ms": float(np.median([1e3 * r.get("wait", 0.0) for r in v]))}
+                for k, v in sorted(groups.items())]
 
     def summary(self, a: float, b: float, exclude: tuple[float, float] | None = None) -> dict:
         """Medians (ms) of each phase and the wall over the step calls that ended in (a, b] (and not in
@@ -419,6 +439,7 @@ def sec_stall(args, res: dict, eng: Engine, cfg, rng, left) -> None:
     steps: list = []
     done = lambda: long_rid in eng.finished or any(len(r.output) >= r.max_new_tokens for r in reqs())  # noqa: E731
     long_req = next(r for r in eng.waiting if r.rid == long_rid)
+    trace.mark = lambda: long_req.computed  # the long prompt's progress at each step (its prefix)
     # Drive to the middle of the long prompt, profile --stall-profile-steps steps of the device there (is
     # it busy, or waiting for the host?), then drive to the end.
     drive(eng, lambda: done() or long_req.computed >= args.stall_len // 2, steps, trace)
@@ -440,6 +461,7 @@ def sec_stall(args, res: dict, eng: Engine, cfg, rng, left) -> None:
                                           "prefix_at_start": args.stall_len // 2, **gpu_busy(d)}
     drive(eng, done, steps, trace)
     t_done = eng.clock()
+    trace.mark = None
     ok = long_rid in eng.finished
     # Decoding alone again after the long prompt: the decoders' contexts grew by as many tokens as steps ran
     # (~8.8K in the 128K run), so this, not the 4K "before", is the same-context reference for the steps
@@ -471,6 +493,7 @@ def sec_stall(args, res: dict, eng: Engine, cfg, rng, left) -> None:
     out["step_phases_before"] = trace.summary(t_base, t_arrive)
     out["step_phases_during"] = trace.summary(t_arrive, t_done, profiled)
     out["step_phases_after"] = trace.summary(t_done, t_after)
+    out["step_wall_by_prefix"] = trace.by_mark(max(args.stall_len // 8, 1), profiled)
     out["long_chunk_tokens"] = {"first": chunks[0], "median": float(np.median(chunks)), "last": chunks[-1],
                                 "steps": len(chunks)} if chunks else None
     for i in rids:
@@ -924,6 +947,10 @@ def report(res: dict) -> None:
             if ph.get("calls"):
                 print(f"    step() {when}: {ph['calls']} calls, p50 ms: " + ", ".join(
                     f"{k} {ph[f'{k}_ms']['p50']:.2f}" for k in (*StepTrace.PHASES, "wall")) + f"; programs {ph['programs']}")
+        if s.get("step_wall_by_prefix"):
+            print("    step() wall / wait p50 ms by the long prompt's prefix: " + ", ".join(
+                f"{b['from']:,}+ {b['wall_p50_ms']:.1f} / {b['wait_p50_ms']:.1f} ({b['calls']})"
+                for b in s["step_wall_by_prefix"]))
         pm = s.get("profile_mid_prefill")
         if pm:
             print(f"    profile at the midpoint: {pm.get('steps')} steps in {pm.get('wall_ms', 0):.1f} ms wall, GPU busy "

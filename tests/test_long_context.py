@@ -213,6 +213,11 @@ def test_long_context_benchmark_runs_end_to_end_at_toy_sizes(tmp_path):
         parts = sum(ph[f"{k}_ms"]["mean"] for k in long_context.StepTrace.PHASES)
         assert 0 < parts <= ph["wall_ms"]["mean"] * 1.001
     assert any(int(k.split("/")[0]) > s["decoders"] for k in s["step_phases_during"]["programs"])
+    # The steps during the prompt by its prefix: buckets of an eighth, in order, every step call counted.
+    by = s["step_wall_by_prefix"]
+    assert [b["from"] for b in by] == sorted(b["from"] for b in by) and by[0]["from"] == 0
+    assert all(b["from"] % (s["long_prompt"] // 8) == 0 and b["wall_p50_ms"] > 0 for b in by)
+    assert sum(b["calls"] for b in by) == s["step_phases_during"]["calls"]
     assert s["itl_p99_during_ms"] >= s["itl_p50_during_ms"] > 0
     # The cap cut the long prompt's chunks below chunk_size while the decoders ran.
     assert s["long_chunk_tokens"]["last"] < s["chunk_size"]
