@@ -35,10 +35,11 @@ Kernel design ("v2", split QK; Hopper, one CTA = three warpgroups):
 - Split-KV: the grid is (work item, row tile); a work item (`work_items`) is a row, a page window and a
   share of it, so split s of a row takes an equal share of each of its tiles' pages. `split_plan` sets the
   layout (static: base splits that fill the GPU, plus slots for long rows, whose pages are then shared by
-  more CTAs, picked at run time from the lengths: a long row among short ones no longer runs as one CTA
-  walking its whole prefix; its docstring has the arithmetic). Partial outputs and their log-sum-exp are
-  merged by `merge_splits` (plain max and add reductions over the splits: ~4x faster by GPU time than the
-  single variadic reduce it replaced), long rows' extra partials by `merge_long_rows` (L rows only).
+  more CTAs, picked at run time from the lengths, in proportion to each long row's pages: a long row among
+  short ones no longer runs as one CTA walking its whole prefix; its docstring has the arithmetic).
+  Partial outputs and their log-sum-exp are merged by `merge_splits` (plain max and add reductions over
+  the splits: ~4x faster by GPU time than the single variadic reduce it replaced), long rows' extra
+  partials by `merge_long_rows` (L rows only).
 - Causality and raggedness are a per-row limit: row (j, h) attends to positions
   < min(q_start + 1 + j, kv_len); each tile only visits pages below its last row's limit.
 
