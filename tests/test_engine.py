@@ -210,3 +210,18 @@ def test_page_pool_refcounts_never_negative(ops):
         pool.release(h)
     pool.check()
     assert pool.num_used == 0
+
+
+def test_requests_compare_by_identity():
+    """The scheduler asks `r in self.running` for every row of every step and removes requests from its
+    lists: with field-by-field dataclass equality each test built two 31-field tuples per list entry,
+    O(rows^2) Python work a step (256 decoders: 78 ms of schedule a step on the CPU dev box, 2.4 ms by
+    identity; benchmarks/host_step_cost.py). Two requests with equal fields are still two requests."""
+    import dataclasses
+
+    from dsv3_jax.engine.scheduler import Request
+
+    a = Request(7, [1, 2, 3], 4, 0.0, 1.0, 0, 0, frozenset())
+    b = dataclasses.replace(a)
+    assert a == a and a != b and b not in [a] and [a, b].index(b) == 1
+    assert len({a, b}) == 2  # hashable by identity

@@ -45,7 +45,7 @@ from dsv3_jax.engine.step import RowPlan
 from dsv3_jax.model import kv_cache
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # a request is itself: `in`, `remove` by identity
 class Request:
     rid: int
     prompt: list[int]
