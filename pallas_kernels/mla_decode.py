@@ -181,8 +181,8 @@ def long_row_windows(pages: jax.Array, plan: SplitPlan, max_pages: int) -> LongR
     c_i = floor(fill * p_i / P), P the pages of the rows that get more than their `num_splits` base CTAs
     (one refinement: rows too short for a CTA of their own, like decode rows just past 8K beside a 128K
     chunk, keep their base splits and leave the wave to the others). Equal rows get fill // n each, as
-    before; unequal rows no longer do: 32 decode rows at 9K made the 128K chunk's rows long
-    rows among 43, one CTA a tile of 2,048 pages each (the 128K stall run's extra ~11 ms a step, found
+    before. Unequal rows got that too until this rule: 32 decode rows at 9K made the 128K chunk's rows
+    long rows among 43, one CTA a tile of 2,048 pages each (the 128K stall run's extra ~11 ms a step, found
     2026-12-06). Each row's long CTAs are capped at L // m (L = long_rows * long_splits long items, m rows
     extended), so every row's items fit the list; the base splits take the first num_splits / c_i of the
     row's pages, its c_i - num_splits long CTAs the rest, so its CTAs walk equal shares."""
