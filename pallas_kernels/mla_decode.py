@@ -191,13 +191,11 @@ def long_row_windows(pages: jax.Array, plan: SplitPlan, max_pages: int) -> LongR
     pages = pages.astype(jnp.int32)
     is_long = pl.cdiv(pages, ns) > long_pages
     # Longest first (stable: equal rows keep their order); rows that are not long sort last.
-    order = jnp.argsort(jnp.where(is_long, -pages, 1), stable=True).astype(jnp.int32)
-    if nl > bsz:
-        order = jnp.concatenate([order, jnp.full((nl - bsz,), bsz, jnp.int32)])
-    cand = order[:nl]
-    occupied = (cand < bsz) & is_long[jnp.minimum(cand, bsz - 1)]
+    # (nl <= B: split_plan's long_rows is at most the batch, attend_items checks it.)
+    cand = jnp.argsort(jnp.where(is_long, -pages, 1), stable=True)[:nl].astype(jnp.int32)
+    occupied = is_long[cand]
     idx = jnp.where(occupied, cand, bsz)
-    p = jnp.where(occupied, pages[jnp.minimum(cand, bsz - 1)], 0)  # [nl] each slot's pages
+    p = jnp.where(occupied, pages[cand], 0)  # [nl] each slot's pages
     share = (fill * p) // jnp.maximum(jnp.sum(p), 1)
     big = occupied & (share > ns)
     p_big = jnp.maximum(jnp.sum(jnp.where(big, p, 0)), 1)

@@ -550,26 +550,33 @@ def test_more_long_rows_than_slots_takes_the_longest_and_shares_by_pages():
     assert np.asarray(head).tolist() == [512] * 5 and np.asarray(extra).tolist() == [0, 0]
 
 
+def _mix_walk(ndec: int, dec_len: int, chunk: int, prefix: int, b: int, width: int):
+    """A ragged step's attention rows as the engine lays them out (ndec decode rows at dec_len, then a chunk
+    of `chunk` tokens ending at `prefix`, padding to b rows), the default split plan's work list, and what
+    each CTA walks: (items [I, 5], tile pages [b, 2], walk [I, 2, 2], one wave's even share, plan)."""
+    from pallas_kernels.mla_decode import item_pages, long_row_windows, row_pages, split_plan, work_items
+
+    lens = np.zeros(b, np.int32)
+    lens[:ndec] = dec_len
+    lens[ndec:ndec + chunk] = prefix - chunk + 1 + np.arange(chunk)
+    kv_len = jnp.asarray(lens)
+    pages = row_pages(jnp.maximum(kv_len - 1, 0), kv_len, 1, width)
+    plan = split_plan(b, 2, width)
+    long = long_row_windows(pages, plan, width) if plan.long_rows else None
+    items = np.asarray(work_items(b, plan, width, long))
+    tile_pages = np.repeat(np.asarray(pages)[:, None], 2, axis=1)
+    balanced = -(-int(np.asarray(pages).sum()) // plan.fill)
+    return items, tile_pages, item_pages(items, tile_pages), balanced, plan
+
+
 def test_decode_rows_past_8k_do_not_starve_a_long_chunk():
     """The 128K stall run of 2026-12-06: once the 32 decode rows passed 8K tokens (129 pages) they counted
     as long rows too, 43 of them shared a tile's 66 CTAs equally (one each), and each of the chunk's rows
     was walked by one CTA a tile: 1,563-1,920 pages where 240-261 were walked while the decoders were at
     4K. Shared by pages, the chunk's rows keep their CTAs and the decode rows their one each."""
-    from pallas_kernels.mla_decode import item_pages, long_row_windows, row_pages, split_plan, work_items
-
-    width = 2560
     for decode_ctx in (4096, 9000, 13000):
         for chunk, prefix, b in ((11, 100_000, 128), (8, 122_880, 40), (16, 65_536, 128), (22, 131_072, 128)):
-            lens = np.zeros(b, np.int32)
-            lens[:32] = decode_ctx
-            lens[32:32 + chunk] = prefix - chunk + 1 + np.arange(chunk)
-            kv_len = jnp.asarray(lens)
-            pages = row_pages(jnp.maximum(kv_len - 1, 0), kv_len, 1, width)
-            plan = split_plan(b, 2, width)
-            items = np.asarray(work_items(b, plan, width, long_row_windows(pages, plan, width)))
-            tile_pages = np.repeat(np.asarray(pages)[:, None], 2, axis=1)
-            walk = item_pages(items, tile_pages)
-            balanced = -(-int(np.asarray(pages).sum()) // plan.fill)  # one wave's even share
+            items, tile_pages, walk, balanced, _ = _mix_walk(32, decode_ctx, chunk, prefix, b, 2560)
             assert walk[..., 1].max() <= 1.6 * balanced, (decode_ctx, chunk, walk[..., 1].max(), balanced)
             for row in (0, 32, 31 + chunk):  # a decode row and the chunk's first and last: covered once
                 mine = items[:, 0] == row
@@ -585,23 +592,11 @@ def test_no_cta_walks_much_more_than_a_balanced_share_in_engine_mixes():
     worst case (32 rows at 64K beside one 128K row: each decode row's share is 1.94 CTAs, it gets 1)."""
     import itertools
 
-    from pallas_kernels.mla_decode import item_pages, long_row_windows, row_pages, split_plan, work_items
-
-    width = 2624
     worst = 0.0
     for dec, prefix, chunk, ndec in itertools.product((1024, 8193, 16384, 65536), (16384, 131072, 163840),
                                                       (1, 16, 64), (1, 32, 64)):
-        n = ndec + chunk
-        b = next(x for x in (40, 128, 512) if x >= n)
-        lens = np.zeros(b, np.int32)
-        lens[:ndec] = dec
-        lens[ndec:n] = prefix - chunk + 1 + np.arange(chunk)
-        kv_len = jnp.asarray(lens)
-        pages = row_pages(jnp.maximum(kv_len - 1, 0), kv_len, 1, width)
-        plan = split_plan(b, 2, width)
-        long = long_row_windows(pages, plan, width) if plan.long_rows else None
-        walk = item_pages(work_items(b, plan, width, long), np.repeat(np.asarray(pages)[:, None], 2, axis=1))
-        balanced = -(-int(np.asarray(pages).sum()) // plan.fill)
+        b = next(x for x in (40, 128, 512) if x >= ndec + chunk)
+        _, _, walk, balanced, plan = _mix_walk(ndec, dec, chunk, prefix, b, 2624)
         worst = max(worst, walk[..., 1].max() / max(balanced, plan.long_pages))
     assert 1.0 <= worst <= 2.0, worst
 
