@@ -71,11 +71,18 @@ def _run(engine, prompts, **kw):
     return [engine.finished[r] for r in rids]
 
 
+def _logits_along(handle, prompt, out) -> np.ndarray:
+    """The model's logits before each output token: row t is what output token t was chosen from. One
+    causal forward of the whole sequence (not one per prefix: each prefix length is a new compile)."""
+    return handle.forward([prompt + out])[0, len(prompt) - 1: len(prompt) - 1 + len(out)]
+
+
 def _check_greedy(handle, prompt, out, p, eos=()):
     """Every greedy token is the argmax of the reference on the model's logits at that point (up to a
     float32 tie: the chosen token's value within 1e-3 of the maximum)."""
+    along = _logits_along(handle, prompt, out)
     for t, tok in enumerate(out):
-        raw = handle.forward([prompt + out[:t]])[0, -1]
+        raw = along[t]
         x = reference(raw, prompt, out[:t], p, eos)
         assert x[tok] >= x.max() - 1e-3 * (1 + abs(x.max())), (t, tok, int(x.argmax()))
 
@@ -97,7 +104,7 @@ def test_greedy_processors_match_the_reference(handle, engine, p):
     for prompt, r in zip(PROMPTS, got):
         _check_greedy(handle, prompt, r.output, p)
         # log-probabilities stay the raw logits' (vLLM's default)
-        raw = handle.forward([prompt + r.output[:2]])[0, -1]
+        raw = _logits_along(handle, prompt, r.output)[2]
         lsm = raw - np.log(np.exp(raw - raw.max()).sum()) - raw.max()
         assert r.output_logprobs[2].logprob == pytest.approx(lsm[r.output[2]], abs=1e-4)
     assert any(r.output != b for r, b in zip(got, plain)), "the processors changed nothing: test is vacuous"
@@ -139,8 +146,9 @@ def test_min_p_keeps_only_tokens_near_the_most_likely(handle, engine):
     def outside(outs):
         bad = 0
         for out in outs:
+            along = _logits_along(handle, prompt, out)
             for t, tok in enumerate(out):
-                z = handle.forward([prompt + out[:t]])[0, -1].astype(np.float64) / temperature
+                z = along[t].astype(np.float64) / temperature
                 prob = np.exp(z - z.max())
                 bad += prob[tok] < min_p * (1 - 1e-4)  # relative to the most likely one (prob 1 here)
         return bad
