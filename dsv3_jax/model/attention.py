@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from dsv3_jax.config import ModelConfig
 from dsv3_jax.model import kernel_dispatch as kernels
-from dsv3_jax.model import layout
+from dsv3_jax.model import layout, long_prefill
 from dsv3_jax.model.kv_cache import (
     PageMeta,
     absorbed_leaves,
@@ -32,6 +32,7 @@ from dsv3_jax.model.kv_cache import (
     gather_pages,
     latent_rows,
     layer_view,
+    read_values,
     write_leaves,
     write_pages,
 )
@@ -39,6 +40,7 @@ from dsv3_jax.model.layers import Linear, RMSNorm
 from dsv3_jax.model.rope import apply_rope, rope_angles
 from dsv3_jax.model.trace_options import TraceOptions
 from dsv3_jax.parallel import dp_attention
+from pallas_kernels.mla_common import cache_widths
 
 ATTENTION_FORMS = ("absorbed", "naive")
 
@@ -115,7 +117,9 @@ class MLA(nn.Module):
         pool = "pages" if layer is None else "layer_pages"
         lay, lay_layout = ((), ()) if layer is None else ((layer,), ("replicated",))
 
-        if form == "absorbed":
+        if form == "absorbed" and cache is not None and meta.long_prefill:
+            out, cache = self._long_prefill(cache, meta, start, latent, k_pe, q_nope, q_pe, w_uk, w_uv, layer)
+        elif form == "absorbed":
             q_lat = jnp.einsum("bthd,hdr->bthr", q_nope, w_uk)
             if cache is not None:
                 # The pool's leaves: `pages` ([B, T, 576] values new), or the FP8 cache's latent e4m3 /
@@ -182,3 +186,30 @@ class MLA(nn.Module):
             p = _causal_softmax(scores * scale, positions, k_pos)
             out = jnp.einsum("bhts,bshv->bthv", p.astype(x.dtype), v)
         return self.o_proj(out.reshape(b, t, h * dv)), cache
+
+    def _long_prefill(self, cache: dict, meta: PageMeta, start: jax.Array, latent: jax.Array, k_pe: jax.Array,
+                      q_nope: jax.Array, q_pe: jax.Array, w_uk: jax.Array, w_uv: jax.Array,
+                      layer: jax.Array | None) -> tuple[jax.Array, dict]:
+        """The absorbed pool, one sequence's chunk as one token per row (`PageMeta.long_prefill`): the new
+        rows are written as on the absorbed path, then attention runs in naive form over the pool
+        (long_prefill.py). Returns (out [N, 1, H, dv] after W_uv, the written pool)."""
+        if dp_attention.batch_shards() > 1:
+            raise ValueError("the long-prefill path runs on one batch shard (the engine routes DP attention "
+                             "to the absorbed path)")
+        if meta.block_table.shape[0] != q_nope.shape[0] or q_nope.shape[1] != 1:
+            raise ValueError(f"the long-prefill path takes one token per row, got q {q_nope.shape}")
+        names = absorbed_leaves(cache)
+        new_rows = latent_rows(latent, k_pe, cache)
+        # Written before read, behind a barrier: as on the absorbed path (the reads see the written pool).
+        pools = jax.lax.optimization_barrier(tuple(write_leaves(
+            {k: cache[k] for k in names}, new_rows, meta, start, layer).values()))
+        flat = {}
+        for name, p in zip(names, pools):
+            flat[name], lmeta = layer_view(p, meta, layer)
+        pages = absorbed_pages(flat)
+        page_size = cache_widths(pages)[1]
+        out = long_prefill.chunk_attention(
+            q_nope[:, 0], q_pe[:, 0], lambda ids: read_values(pages, ids, q_nope.dtype), lmeta.block_table[0],
+            start[0], jnp.sum(meta.chunk_lens), w_uk, w_uv, page_size=page_size,
+            softmax_scale=self.cfg.softmax_scale, backend=self.trace_options.kernels)
+        return out[:, None], dict(zip(names, pools))

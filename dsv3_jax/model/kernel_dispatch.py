@@ -1,11 +1,12 @@
 """The one dispatch point between the model and `pallas_kernels`.
 
 Owns: routing the FP8 linears, the expert grouped matmul (FP8 or bf16/fp16 weights) and MLA attention to
-a Pallas Mosaic GPU kernel or its plain-`jnp` reference, given the backend the caller passes ("pallas" or
+a Pallas Mosaic GPU kernel or its plain-`jnp` reference, and the naive-form flash attention of a long
+prefill chunk (long_prefill.py) to cuDNN or its reference, given the backend the caller passes ("pallas" or
 "reference": `TraceOptions.kernels`, see trace_options.py, which resolves "auto" and DSV3_KERNELS), and
 the fallbacks to the reference for shapes or dtypes a kernel cannot take (logged once).
 Reads no setting from module state or the environment: the backend is an argument, so a trace is
-determined by its inputs.
+determined by its inputs (and, for cuDNN, which exists only there, by whether JAX traces for a GPU).
 Must not know about layers, configs or meshes: arrays in, arrays out.
 """
 
@@ -129,3 +130,71 @@ def mla_kernel_serves(latent: int, rope: int, page_size: int, backend: str) -> b
 def _log_mla_shape_fallback(latent: tuple[int, ...], dtype: str) -> None:
     log.warning("kernel dispatch: MLA kernel needs latent 512 + rope 64, 64-token pages, bf16; got "
                 "latent %s, %s: using the jnp reference", latent, dtype)
+
+
+# ------------------------------------------------------------------- flash attention (naive form)
+def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_len: jax.Array, kv_len: jax.Array, *,
+                    causal: bool, softmax_scale: float, backend: str) -> tuple[jax.Array, jax.Array]:
+    """One sequence's multi-head attention: q [N, H, D], k [S, H, D], v [S, H, dv] (dv <= D); query t < q_len
+    sees keys j < kv_len (and j <= t when `causal`: the chunk attending to its own keys, top-left aligned).
+
+    Returns (out [N, H, dv] fp32, lse [N, H] fp32: natural-log log-sum-exp of the scaled scores, -inf where
+    a query sees no key). Rows t >= q_len come back as zeros with lse -inf, so padding never carries a
+    non-finite value into the pool. Backend "pallas" on a GPU runs cuDNN's flash attention (MLA widths, dv
+    < D, need cuDNN >= 9.10: older ones get V padded to D, logged once); otherwise the jnp reference, which
+    materializes the [H, N, S] scores (tests and small shapes).
+    """
+    if _pallas(backend) and jax.default_backend() == "gpu":
+        out, lse = _cudnn_flash(q, k, v, q_len, kv_len, causal, softmax_scale)
+    else:
+        if _pallas(backend):
+            _log_flash_fallback(jax.default_backend())
+        out, lse = flash_attention_reference(q, k, v, q_len, kv_len, causal=causal,
+                                             softmax_scale=softmax_scale)
+    live = jnp.arange(q.shape[0]) < q_len
+    return jnp.where(live[:, None, None], out, 0.0), jnp.where(live[:, None], lse, -jnp.inf)
+
+
+def flash_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, q_len: jax.Array,
+                              kv_len: jax.Array, *, causal: bool, softmax_scale: float
+                              ) -> tuple[jax.Array, jax.Array]:
+    """`flash_attention`'s semantics in plain jnp (matmuls in the inputs' dtype, fp32 accumulation)."""
+    s = jnp.einsum("nhd,shd->hns", q, k, preferred_element_type=jnp.float32) * softmax_scale
+    j = jnp.arange(k.shape[0])
+    seen = j[None, :] < kv_len
+    if causal:
+        seen = seen & (j[None, :] <= jnp.arange(q.shape[0])[:, None])
+    s = jnp.where(seen[None], s, -jnp.inf)
+    lse = jax.nn.logsumexp(s, axis=-1)  # [H, N]
+    p = jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None])
+    out = jnp.einsum("hns,shv->nhv", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return out, lse.T
+
+
+def _cudnn_flash(q, k, v, q_len, kv_len, causal: bool, scale: float) -> tuple[jax.Array, jax.Array]:
+    # The internal entry point: the public jax.nn.dot_product_attention needs V as wide as K and returns
+    # the lse cast to the output dtype (bf16 would put ~6% errors into the block merge).
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+    dv = v.shape[-1]
+    if dv != q.shape[-1] and cudnn.check_cudnn_version() < 91000:
+        _log_cudnn_pad(cudnn.check_cudnn_version())
+        v = jnp.pad(v, ((0, 0), (0, 0), (0, q.shape[-1] - dv)))
+    mask = cudnn.MaskType.PADDING_CAUSAL if causal else cudnn.MaskType.PADDING
+    out, lse = cudnn.dot_product_attention(
+        q[None], k[None], v[None], None, None, jnp.reshape(q_len, (1,)).astype(jnp.int32),
+        jnp.reshape(kv_len, (1,)).astype(jnp.int32), scale=scale, mask_type=mask, qkv_layout="BTNH",
+        return_residual=True)
+    return out[0, ..., :dv].astype(jnp.float32), lse[0].T.astype(jnp.float32)  # lse [1, H, N] -> [N, H]
+
+
+@functools.cache
+def _log_flash_fallback(platform: str) -> None:
+    log.warning("kernel dispatch: cuDNN flash attention needs a GPU (platform %s): the long-prefill chunk "
+                "attention uses the jnp reference", platform)
+
+
+@functools.cache
+def _log_cudnn_pad(version: int) -> None:
+    log.warning("kernel dispatch: cuDNN %d predates MLA head widths (9.10): V is padded to K's width",
+                version)

@@ -39,11 +39,15 @@ class PageMeta:
     """Per-call page metadata: block_table [B, max_pages] int32, chunk_lens [B] int32 (valid new tokens).
 
     Row b's tokens t < chunk_lens[b] are real; the rest are padding (written to page 0, masked out of
-    attention and of the MoE's token sort).
+    attention and of the MoE's token sort). `long_prefill` (static: a different trace) says the batch
+    is one sequence's prefill chunk laid out as one token per row: rows 0 .. n-1 are its tokens in order
+    (row 0 at the chunk's start, every row holding the sequence's block table), the rest padding; the
+    absorbed attention then takes the naive-form path (model/long_prefill.py).
     """
 
     block_table: jax.Array
     chunk_lens: jax.Array
+    long_prefill: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     def token_valid(self, t: int) -> jax.Array:
         """[B, t] bool: which of a [B, t] chunk's tokens are real."""
@@ -151,7 +155,21 @@ def layer_view(pages: jax.Array, meta: PageMeta, layer: jax.Array | None) -> tup
     if layer is None:
         return pages, meta
     flat = pages.reshape(-1, *pages.shape[2:])
-    return flat, PageMeta(meta.block_table + layer * pages.shape[1], meta.chunk_lens)
+    return flat, dataclasses.replace(meta, block_table=meta.block_table + layer * pages.shape[1])
+
+
+def read_values(pages, ids: jax.Array, dtype) -> jax.Array:
+    """Absorbed pages `ids` [n] of a pool (`absorbed_pages`: one array or FP8 pages, dequantized) as one run
+    of token values [n * page_size, latent + rope] in `dtype`."""
+    from pallas_kernels.mla_common import dequantize_kv, is_fp8_cache
+
+    if is_fp8_cache(pages):
+        from pallas_kernels.mla_common import Fp8Pages
+
+        vals = dequantize_kv(Fp8Pages(*(x[ids] for x in pages)), dtype=dtype)
+    else:
+        vals = pages[ids].astype(dtype)
+    return vals.reshape(-1, vals.shape[-1])
 
 
 def gather_pages(pages: jax.Array, block_table: jax.Array) -> jax.Array:

@@ -18,6 +18,7 @@ or the cache layout (cache.py).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -25,7 +26,6 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from dsv3_jax.model.kv_cache import PageMeta
 from dsv3_jax.parallel import sharding
 
 LAYOUTS = ("pages", "layer_pages", "rows", "heads", "meta", "replicated")
@@ -90,8 +90,8 @@ def shard_local(fn: Callable[..., Any], args: Sequence[Any], layouts: Sequence[s
         for a, lay in zip(local, layouts, strict=True):
             if lay == "meta":
                 t = a.block_table - s * n_local
-                a = PageMeta(jnp.where((t >= 0) & (t < n_local), t, 0).astype(a.block_table.dtype),
-                             a.chunk_lens)
+                a = dataclasses.replace(
+                    a, block_table=jnp.where((t >= 0) & (t < n_local), t, 0).astype(a.block_table.dtype))
             out.append(a)
         return fn(*out)
 

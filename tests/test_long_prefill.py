@@ -1,0 +1,108 @@
+"""The naive-form long-prefill path (model/long_prefill.py, issue 29 item 1): one sequence's chunk laid
+out one token per row with `PageMeta.long_prefill` attends over the absorbed pool in naive form, block by
+block, and must give what the absorbed path gives on the same pool (bf16 and FP8 pools, a prefix over
+several blocks with a partial last one, a chunk starting mid-page, padding rows), and what a full causal
+forward gives; the flash attention's reference and the block merge on their own."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dsv3_jax.config import ModelConfig
+from dsv3_jax.model import kernel_dispatch, kv_cache, long_prefill
+from dsv3_jax.model.kv_cache import PageMeta
+from dsv3_jax.model.transformer import Transformer
+
+CFG = ModelConfig.preset("tiny").replace(vocab_size=256, max_position_embeddings=512,
+                                         num_nextn_predict_layers=0)
+PS = 4  # page size: a chunk at position 22 starts mid-page
+
+
+@pytest.fixture(scope="module")
+def params():
+    model = Transformer(CFG)
+    return jax.jit(lambda k: model.init(k, jnp.zeros((1, 4), jnp.int32))["params"])(jax.random.key(5))
+
+
+def _rows(model, params, cache, toks, start, total, long, table):
+    """Tokens `toks` at positions start.. as one token per row, padded to `total` rows."""
+    n = len(toks)
+    t = np.full(total, 7, np.int32)
+    t[:n] = toks
+    pos = np.concatenate([np.arange(start, start + n), np.full(total - n, start)]).astype(np.int32)
+    valid = (np.arange(total) < n).astype(np.int32)
+    meta = PageMeta(jnp.asarray(np.repeat(table[None], total, 0)), jnp.asarray(valid), long_prefill=long)
+    logits, _, cache = model.apply({"params": params}, jnp.asarray(t)[:, None], jnp.asarray(pos)[:, None],
+                                   cache, meta)
+    return np.asarray(logits)[:n, 0], cache
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "fp8"])
+def test_long_prefill_matches_the_absorbed_path_and_the_full_forward(params, monkeypatch, kv_dtype):
+    monkeypatch.setattr(long_prefill, "BLOCK_TOKENS", 2 * PS)  # a 22-token prefix: 3 blocks, the last partial
+    model = Transformer(CFG)
+    rng = np.random.default_rng(0)
+    seq = rng.integers(2, 256, 31)
+    prefix = 22  # then a 9-token chunk
+    table = np.arange(1, 11, dtype=np.int32)[::-1].copy()  # non-contiguous physical pages
+    dtype = jnp.float8_e4m3fn if kv_dtype == "fp8" else None
+    cache0 = kv_cache.allocate(CFG, 12, PS, dtype=dtype)
+    traced = []
+    flash = kernel_dispatch.flash_attention
+    monkeypatch.setattr(kernel_dispatch, "flash_attention",
+                        lambda *a, **k: traced.append(k) or flash(*a, **k))
+    _, cache = _rows(model, params, cache0, seq[:prefix], 0, 24, False, table)  # the prefix, absorbed
+    want, cache_abs = _rows(model, params, cache, seq[prefix:], prefix, 16, False, table)
+    assert not traced
+    got, cache_long = _rows(model, params, cache, seq[prefix:], prefix, 16, True, table)
+    assert {k["causal"] for k in traced} == {False, True}  # the prefix blocks and the chunk's own keys
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    # The same pages written (layers past the first hold values computed from the layer below: fp32 rounding)
+    for a, b in zip(jax.tree.leaves(cache_long), jax.tree.leaves(cache_abs), strict=True):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-5, atol=1e-6)
+    if kv_dtype == "float32":  # an fp32 pool holds exact values: the full causal forward is the truth
+        full = np.asarray(model.apply({"params": params}, jnp.asarray(seq)[None],
+                                      jnp.arange(len(seq))[None])[0])[0, prefix:]
+        np.testing.assert_allclose(got, full, rtol=1e-4, atol=1e-4)
+
+
+def test_a_chunk_at_prefix_zero_attends_only_to_itself(params):
+    model = Transformer(CFG)
+    seq = np.arange(3, 15)
+    table = np.arange(1, 5, dtype=np.int32)
+    got, _ = _rows(model, params, kv_cache.allocate(CFG, 6, PS), seq, 0, 16, True, table)
+    full = model.apply({"params": params}, jnp.asarray(seq)[None], jnp.arange(len(seq))[None])[0]
+    full = np.asarray(full)[0]
+    np.testing.assert_allclose(got, full, rtol=1e-4, atol=1e-4)
+
+
+def test_flash_reference_and_the_merge_split_keys_exactly():
+    rng = np.random.default_rng(1)
+    n, s, h, d, dv = 6, 10, 3, 8, 5
+    q, k = (jnp.asarray(rng.normal(size=(m, h, d)), jnp.float32) for m in (n, s))
+    v = jnp.asarray(rng.normal(size=(s, h, dv)), jnp.float32)
+    scale = 0.3
+    full, lse_full = kernel_dispatch.flash_attention(q, k, v, jnp.int32(n), jnp.int32(s), causal=False,
+                                                     softmax_scale=scale, backend="reference")
+    sc = np.einsum("nhd,shd->nhs", np.asarray(q, np.float64), np.asarray(k, np.float64)) * scale
+    p = np.exp(sc - sc.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    want = np.einsum("nhs,shv->nhv", p, np.asarray(v, np.float64))
+    np.testing.assert_allclose(full, want, rtol=1e-5, atol=1e-6)
+    a = kernel_dispatch.flash_attention(q, k[:4], v[:4], jnp.int32(n), jnp.int32(4), causal=False,
+                                        softmax_scale=scale, backend="reference")
+    b = kernel_dispatch.flash_attention(q, k[4:], v[4:], jnp.int32(n), jnp.int32(6), causal=False,
+                                        softmax_scale=scale, backend="reference")
+    o, lse = long_prefill._merge(*a, *b)
+    np.testing.assert_allclose(o, full, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(lse, lse_full, rtol=1e-6, atol=1e-6)
+    # padding queries (t >= q_len) come back zero with lse -inf, and merge as nothing
+    o_pad, lse_pad = kernel_dispatch.flash_attention(q, k, v, jnp.int32(4), jnp.int32(s), causal=True,
+                                                     softmax_scale=scale, backend="reference")
+    assert np.all(np.asarray(o_pad)[4:] == 0) and np.all(np.isneginf(np.asarray(lse_pad)[4:]))
+    o2, lse2 = long_prefill._merge(o_pad, lse_pad, o_pad, lse_pad)
+    np.testing.assert_allclose(o2, o_pad, rtol=1e-6, atol=1e-7)
+    assert np.all(np.isfinite(np.asarray(o2)))
