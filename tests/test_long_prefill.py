@@ -11,7 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dsv3_jax.api import ModelHandle
 from dsv3_jax.config import ModelConfig
+from dsv3_jax.engine.core import Engine, EngineConfig
+from dsv3_jax.engine.executor import DeviceExecutor
 from dsv3_jax.model import kernel_dispatch, kv_cache, long_prefill
 from dsv3_jax.model.kv_cache import PageMeta
 from dsv3_jax.model.transformer import Transformer
@@ -106,3 +109,43 @@ def test_flash_reference_and_the_merge_split_keys_exactly():
     o2, lse2 = long_prefill._merge(o_pad, lse_pad, o_pad, lse_pad)
     np.testing.assert_allclose(o2, o_pad, rtol=1e-6, atol=1e-7)
     assert np.all(np.isfinite(np.asarray(o2)))
+
+
+class _Recording(DeviceExecutor):
+    def execute(self, key, ints, floats):
+        self.keys.append(key)
+        return super().execute(key, ints, floats)
+
+
+def test_engine_routes_a_lone_long_chunk_to_the_naive_path_with_the_same_tokens(params):
+    """A 90-token prompt in 16-token chunks with long_prefill_from=32: the chunks at 32, 48, 64 and 80 (the
+    request alone; the last one's 10 tokens pick the same 32-token shape) run the long-prefill program,
+    the rest the usual ones; tokens and logprobs equal the engine without it. Beside a decoding neighbour
+    no step is long."""
+    handle = ModelHandle(CFG, params)
+    base = dict(num_pages=40, page_size=8, max_batch=4, max_batched_tokens=32, chunk_size=16,
+                row_buckets=(4,))
+    rng = np.random.default_rng(2)
+    prompt = rng.integers(2, 256, 90).tolist()
+
+    def run(cfg, prompts):
+        ex = _Recording(handle, cfg)
+        ex.keys = []
+        eng = Engine(handle, cfg, executor=ex)
+        rids = [eng.add_request(p, max_new_tokens=6, logprobs=1) for p in prompts]
+        for _ in eng.run():
+            pass
+        return [eng.finished[r] for r in rids], ex.keys, eng
+
+    plain, keys0, _ = run(EngineConfig(**base), [prompt])
+    long, keys1, eng = run(EngineConfig(**base, long_prefill_from=32), [prompt])
+    assert not any(k.long_prefill for k in keys0)
+    assert sum(k.long_prefill for k in keys1) == 4  # the chunks at 32, 48, 64 and 80
+    assert {k for k in keys1 if k.long_prefill} <= set(eng.step_keys())  # warmup compiles what runs
+    assert long[0].output == plain[0].output
+    for a, b in zip(long[0].output_logprobs, plain[0].output_logprobs, strict=True):
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+    # a decoding neighbour: every step holds two rows, none is long
+    both, keys2, _ = run(EngineConfig(**base, long_prefill_from=32), [prompt[:20], prompt])
+    assert not any(k.long_prefill for k in keys2)
+    assert both[1].output == plain[0].output

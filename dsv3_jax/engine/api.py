@@ -59,6 +59,12 @@ class EngineConfig:
     # decode step: p99 ~1.5x the decoders' p50, inside the 2x goal); 2**20 halves that and doubles the long
     # prompt's TTFT.
     prefill_attention_pairs: int = 2**21
+    # A step that holds only one sequence's prefill chunk, starting at a prefix of at least this many tokens,
+    # attends in naive form (model/long_prefill.py: the prefix's latents expanded to per-head K/V, flash
+    # attention): 3.4x fewer attention FLOPs than the absorbed form, the prefill path for long prompts.
+    # Only chunks that fill the step shape a whole `chunk_size` chunk picks take it: two more programs
+    # (greedy, full). 0 = off (the default until its GPU figures are in: benchmarks/long_context.py).
+    long_prefill_from: int = 0
     prefix_caching: bool = True
     spec_k: int = 0  # MTP draft tokens per step (0 = off, 1..3)
     pipeline: bool = True  # dispatch step k+1 before reading step k (off: one step at a time)

@@ -85,6 +85,15 @@ class Engine:
             executor = (handle.executor_factory or DeviceExecutor)(handle, c)
         self.executor: Executor = executor
         self.width = executor.width
+        if c.long_prefill_from < 0:
+            raise ValueError(f"long_prefill_from must be >= 0 (0: off), got {c.long_prefill_from}")
+        # (from, shape): the naive-form long-prefill programs (EngineConfig.long_prefill_from), for the shape
+        # a whole chunk of one sequence picks; none when no sequence can reach the prefix, or under DP
+        # attention (the path runs on one batch shard).
+        reach = self.width * c.page_size > c.long_prefill_from
+        whole_chunk = self.shapes.pick(min(c.chunk_size, c.max_batched_tokens), 1)
+        self.long_prefill = ((c.long_prefill_from, whole_chunk)
+                             if c.long_prefill_from and reach and self._shards == 1 else None)
         self.pool = PagePool(c.num_pages, c.page_size, c.prefix_caching, shards=self._shards)
         self.sched = Scheduler(self.pool, max_batch=c.max_batch, max_batched_tokens=c.max_batched_tokens,
                                chunk_size=c.chunk_size, spec_k=c.spec_k, num_slots=c.max_batch,
@@ -189,7 +198,7 @@ class Engine:
         batch = step.build([row for _, row in plan], spec_k=self.cfg.spec_k, shapes=self.shapes,
                            width=self.width, logprobs=any(r.logprobs is not None for r, _ in plan),
                            num_shards=self._shards, scratch_slot=self.cfg.max_batch,
-                           mask_words=self.mask_words)
+                           mask_words=self.mask_words, long_prefill=self.long_prefill)
         if batch.key.mask_words:  # while the previous step runs on the device (pipelined)
             t0 = time.perf_counter()
             bitmask = batch.view("bitmask")
@@ -243,9 +252,14 @@ class Engine:
         pairs = self.shapes.reachable(min(max_tokens or c.max_batched_tokens, c.max_batched_tokens),
                                       min(max_rows or c.max_batch, c.max_batch))
         d = self._shards
-        return [step.StepKey(n * d, s * d, self.width, c.spec_k, m != "greedy",
+        keys = [step.StepKey(n * d, s * d, self.width, c.spec_k, m != "greedy",
                              self.mask_words if m == "masked" else 0)
                 for n, s in pairs for m in ("greedy", "full", "masked") if m in modes]
+        if self.long_prefill is not None and self.long_prefill[1] in pairs:
+            n, s = self.long_prefill[1]
+            keys += [step.StepKey(n, s, self.width, c.spec_k, m != "greedy", 0, True)
+                     for m in ("greedy", "full") if m in modes]
+        return keys
 
     def warmup(self, max_rows: int | None = None, max_tokens: int | None = None,
                modes: Sequence[str] = ("greedy", "full"),

@@ -133,6 +133,8 @@ class StepKey(NamedTuple):
     spec_k: int  # drafts per decode row
     full: bool  # sampling filters, logprobs and processors (some row samples, asks for logprobs or processes)
     mask_words: int = 0  # > 0: a grammar bitmask of this many int32 words per row (ceil(V/32)); implies full
+    # One sequence's prefill chunk alone: attention in naive form over the pool (model/long_prefill.py)
+    long_prefill: bool = False
 
     @property
     def sampled(self) -> bool:
@@ -248,11 +250,14 @@ class RowPlan:
 
 
 def build(rows: list[RowPlan], *, spec_k: int, shapes: StepShapes, width: int, logprobs: bool,
-          num_shards: int = 1, scratch_slot: int = 0, mask_words: int = 0) -> StepBatch:
+          num_shards: int = 1, scratch_slot: int = 0, mask_words: int = 0,
+          long_prefill: tuple[int, tuple[int, int]] | None = None) -> StepBatch:
     """Lay out scheduled rows as a flat, shard-grouped token batch in the smallest of `shapes` that holds
     them, with a page table `width` columns wide (see the module docstring). `mask_words`: the bitmask
     width a constrained row needs (ceil(V/32)); the bitmask field exists only when a sampling row is
-    constrained, all ones (every token allowed) until the engine fills the constrained rows'."""
+    constrained, all ones (every token allowed) until the engine fills the constrained rows'.
+    `long_prefill` (from, shape): a step of one row, a prefill chunk starting at position >= from whose
+    tokens pick `shape`, is keyed `long_prefill` (naive-form attention; one batch shard only)."""
     per_tok = [sum(r.n for r in rows if r.shard == s) for s in range(num_shards)]
     per_row = [sum(1 for r in rows if r.shard == s) for s in range(num_shards)]
     n_seg, s_seg = shapes.pick(max(max(per_tok), 1), max(max(per_row), 1))
@@ -261,7 +266,10 @@ def build(rows: list[RowPlan], *, spec_k: int, shapes: StepShapes, width: int, l
         raise ValueError(f"a row holds {longest} pages but the page table is {width} wide")
     masked = mask_words if any(r.constrained and r.final for r in rows) else 0
     full = logprobs or masked or any(r.temperature > 0 or r.processing is not None for r in rows)
-    key = StepKey(n_seg * num_shards, s_seg * num_shards, width, spec_k, bool(full), masked)
+    long = (long_prefill is not None and num_shards == 1 and len(rows) == 1 and not masked
+            and rows[0].ndraft == 0 and rows[0].start >= long_prefill[0]
+            and (n_seg, s_seg) == long_prefill[1])
+    key = StepKey(n_seg * num_shards, s_seg * num_shards, width, spec_k, bool(full), masked, long)
     n, s, j = key.tokens, key.rows, spec_k + 1
     ints = np.zeros(packed_size(int_fields(key)), np.int32)
     floats = np.zeros(packed_size(float_fields(key)), np.float32)
@@ -372,7 +380,7 @@ def make_step(model: Any, key: StepKey):
         toks = jnp.where(a["src"] >= 0, last[jnp.maximum(a["src"], 0)], a["tokens"])
         valid = a["valid"] > 0
         tok_table = a["table"][a["row_of"]]  # [N, W]: each token's page-table row
-        meta = PageMeta(tok_table, a["valid"])
+        meta = PageMeta(tok_table, a["valid"], long_prefill=key.long_prefill)
         logits, hidden, cache = model.apply({"params": params}, toks[:, None], a["positions"][:, None],
                                             cache, meta, a["logit_idx"])  # [S, k+1, V]
         ndraft, final = a["ndraft"], a["final"] > 0
