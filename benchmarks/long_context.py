@@ -73,7 +73,7 @@ from dsv3_jax.engine import step  # noqa: E402
 from dsv3_jax.engine.core import Engine, EngineConfig  # noqa: E402
 from dsv3_jax.engine.executor import batch_shards  # noqa: E402
 from dsv3_jax.engine.scheduler import attention_pairs, chunk_tokens_within  # noqa: E402
-from dsv3_jax.model import kernel_dispatch, kv_cache, layout  # noqa: E402
+from dsv3_jax.model import kernel_dispatch, kv_cache, layout, long_prefill  # noqa: E402
 from dsv3_jax.model.kv_cache import PageMeta, absorbed_leaves, absorbed_pages, layer_view  # noqa: E402
 from pallas_kernels.mla_prefill import mla_chunk_attention  # noqa: E402
 
@@ -160,6 +160,23 @@ def kernel_case(prefix: int, chunk: int, heads: int, reps: int, use_kernel: bool
     return e2e_bench.timeit(lambda: f(ql, qr, kv, table, start, lens), reps)
 
 
+def naive_case(prefix: int, chunk: int, heads: int, reps: int, backend: str) -> dict:
+    """The engine's long-prefill path (model/long_prefill.py: the prefix's latents expanded block by block,
+    flash attention per block, cuDNN on a GPU) for `chunk` new tokens after `prefix` cached, H heads."""
+    ps = kv_cache.PAGE_SIZE
+    s = prefix + chunk
+    table = jnp.asarray(kv_cache.contiguous_table(1, s, ps))[0]
+    k1, k2, k3, k4 = jax.random.split(jax.random.key(chunk + 1), 4)
+    kv = jax.random.normal(k1, (1 + table.size, ps, 576), jnp.bfloat16)
+    qn = jax.random.normal(k2, (chunk, heads, 128), jnp.bfloat16)
+    qr = jax.random.normal(k3, (chunk, heads, 64), jnp.bfloat16)
+    w = jax.random.normal(k4, (2, heads, 128, 512), jnp.bfloat16) * 0.05
+    f = jax.jit(lambda qn, qr, kv, w: long_prefill.chunk_attention(
+        qn, qr, lambda ids: kv_cache.read_values(kv, ids, jnp.bfloat16), table, jnp.int32(prefix),
+        jnp.int32(chunk), w[0], w[1], page_size=ps, softmax_scale=192**-0.5, backend=backend))
+    return e2e_bench.timeit(lambda: f(qn, qr, kv, w), reps)
+
+
 def sec_kernel(args, res: dict, left) -> None:
     rows = res.setdefault("kernel", [])
     use_kernel = not args.tiny
@@ -176,6 +193,13 @@ def sec_kernel(args, res: dict, left) -> None:
         except Exception as e:  # noqa: BLE001 - record and keep measuring
             row["ours_error"] = repr(e)[:300]
         try:
+            nv = naive_case(args.kernel_prefix, chunk, args.heads, args.reps, "pallas" if use_kernel else "reference")
+            expand = 2.0 * args.heads * 256 * 512 * (args.kernel_prefix + chunk)  # W_uk, W_uv over every key
+            row["ours_naive"] = {**nv, "tflops": 2 * pairs * NAIVE / (nv["median_ms"] / 1e3) / 1e12,
+                                 "expansion_tflop": expand / 1e12}
+        except Exception as e:  # noqa: BLE001 - record and keep measuring
+            row["ours_naive_error"] = repr(e)[:300]
+        try:
             t = torch_sdpa_peer(args.kernel_prefix, chunk, args.heads, args.reps)
             row["torch_sdpa_naive"] = {**t, "tflops": 2 * pairs * NAIVE / (t["median_ms"] / 1e3) / 1e12}
             import torch
@@ -186,6 +210,8 @@ def sec_kernel(args, res: dict, left) -> None:
             row["torch_error"] = repr(e)[:300]
         if "ours" in row and "torch_sdpa_naive" in row:
             row["time_ours_over_torch"] = row["ours"]["median_ms"] / row["torch_sdpa_naive"]["median_ms"]
+        if "ours_naive" in row and "torch_sdpa_naive" in row:
+            row["time_naive_over_torch"] = row["ours_naive"]["median_ms"] / row["torch_sdpa_naive"]["median_ms"]
         rows.append(row)
         print("kernel", row, flush=True)
 
@@ -392,6 +418,7 @@ def sec_long(args, res: dict, eng: Engine, cfg, params, rng, left, length: int) 
            "body_tflop": body / 1e12, "attention_tflop": attn / 1e12, "attention_tflop_naive": attn_naive / 1e12,
            "compute_floor_naive_attention_s": body / res["fp8_flops"] + attn_naive / res["bf16_flops"]}
     c0, steps0 = eng.stats["compiles"], eng.stats["steps"]
+    long0 = eng.stats.get("long_prefill_steps", 0)
     try:
         rid = eng.add_request(rng.integers(2, cfg.vocab_size, length).tolist(), max_new_tokens=args.new)
         drive(eng, lambda: not eng.has_work())
@@ -404,6 +431,8 @@ def sec_long(args, res: dict, eng: Engine, cfg, params, rng, left, length: int) 
                    hbm_floor_ms=1e3 * hbm, compiles_during=eng.stats["compiles"] - c0)
         row["ttft_over_floor"] = row["ttft_s"] / floor
         row["prefill_share_of_floor"] = floor / row["ttft_s"]
+        row["prefill_share_of_naive_floor"] = row["compute_floor_naive_attention_s"] / row["ttft_s"]
+        row["long_prefill_steps"] = eng.stats.get("long_prefill_steps", 0) - long0
         row["itl_over_floor"] = itl / hbm
     except Exception as e:  # noqa: BLE001 - record and keep measuring
         row["error"] = repr(e)[:400]
@@ -775,6 +804,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--chunk-size", type=int, default=4096)
     ap.add_argument("--max-batched-tokens", type=int, default=4096)
     ap.add_argument("--prefill-attention-pairs", type=int, default=EngineConfig.prefill_attention_pairs)
+    ap.add_argument("--long-prefill-from", type=int, default=EngineConfig.long_prefill_from,
+                    help="EngineConfig.long_prefill_from: a lone chunk past this prefix attends in naive form (0: off)")
     ap.add_argument("--token-buckets", default="512",
                     help="mixed-step token capacities below --max-batched-tokens (a capped step with decode rows "
                          "runs the smallest that holds it: 128 keeps a 32-decoder + ~20-token step small)")
@@ -810,6 +841,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
     pages = (a.decoders * -(-(a.decode_ctx + a.decoder_new) // ps) + 2 * -(-longest // ps) + 8)
     return EngineConfig(num_pages=pages, max_batch=a.decoders + 8, max_batched_tokens=a.max_batched_tokens,
                         chunk_size=a.chunk_size, prefill_attention_pairs=a.prefill_attention_pairs,
+                        long_prefill_from=a.long_prefill_from,
                         row_buckets=(a.decoders + 8,) if a.tiny else (1,),
                         token_buckets=() if a.tiny else tuple(int(t) for t in a.token_buckets.split(",") if t))
 
@@ -920,6 +952,12 @@ def report(res: dict) -> None:
               f"{o.get('tflops', float('nan')):6.1f} TF/s | torch SDPA naive {t.get('median_ms', float('nan')):8.2f} ms "
               f"{t.get('tflops', float('nan')):6.1f} TF/s | ours/torch time {k.get('time_ours_over_torch', float('nan')):.2f}"
               + (f"  {k.get('ours_error', '')}{k.get('torch_error', '')}"[:120] if "ours" not in k or not t else ""))
+        nv = k.get("ours_naive")
+        if nv:
+            print(f"    ours, naive form (long_prefill): {nv['median_ms']:8.2f} ms {nv['tflops']:6.1f} TF/s (naive FLOPs) "
+                  f"| naive/torch time {k.get('time_naive_over_torch', float('nan')):.2f}")
+        elif "ours_naive_error" in k:
+            print(f"    ours, naive form: error {k['ours_naive_error'][:150]}")
     if "long" in res or "warmup" in res:
         print(f"{'(a) prompt':>10} {'TTFT s':>8} {'floor s':>8} {'share':>6} {'ITL ms':>7} {'floor':>6} {'ratio':>6} "
               f"{'compiles':>8}")
@@ -928,7 +966,9 @@ def report(res: dict) -> None:
             print(f"{r['prompt']:>10} error {r['error'][:100]}")
             continue
         print(f"{r['prompt']:>10} {r['ttft_s']:>8.2f} {r['compute_floor_s']:>8.2f} {r['prefill_share_of_floor']:>6.2f} "
-              f"{r['itl_ms']:>7.2f} {r['hbm_floor_ms']:>6.2f} {r['itl_over_floor']:>6.2f} {r['compiles_during']:>8}")
+              f"{r['itl_ms']:>7.2f} {r['hbm_floor_ms']:>6.2f} {r['itl_over_floor']:>6.2f} {r['compiles_during']:>8}"
+              f"  naive-form floor {r['compute_floor_naive_attention_s']:.2f} s, share "
+              f"{r['prefill_share_of_naive_floor']:.2f}; {r['long_prefill_steps']} long-prefill steps")
     s = res.get("stall")
     if s:
         print(f"(b) {s['decoders']} decoding at {s['decode_ctx']} + a {s['long_prompt']:,}-token prompt: ITL p50 "

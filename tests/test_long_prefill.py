@@ -149,3 +149,34 @@ def test_engine_routes_a_lone_long_chunk_to_the_naive_path_with_the_same_tokens(
     both, keys2, _ = run(EngineConfig(**base, long_prefill_from=32), [prompt[:20], prompt])
     assert not any(k.long_prefill for k in keys2)
     assert both[1].output == plain[0].output
+
+
+@pytest.mark.gpu
+def test_cudnn_chunk_attention_matches_the_reference_gpu():
+    """The long-prefill path on the GPU (cuDNN flash attention per block) against the same path on the jnp
+    reference, DeepSeek's widths, bf16, 16 heads: a 20,000-token prefix (two blocks, the second partial), a
+    1,000-token chunk starting mid-page, 24 padding rows. Bound: both round P to bf16 before P V (one
+    normalized, one not: <= 1 bf16 step of 2^-8 relative between them) and the output to bf16 (1 step),
+    so 2 steps of the largest output value, doubled for accumulation order: 2^-6 x max |reference|."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    h, ps, prefix, n, rows = 16, kv_cache.PAGE_SIZE, 20_000, 1_000, 1_024
+    pages = -(-(prefix + rows) // ps) + 1
+    rng = np.random.default_rng(4)
+    table = jnp.asarray(rng.permutation(np.arange(1, pages + 1)).astype(np.int32))
+    k1, k2, k3, k4 = jax.random.split(jax.random.key(0), 4)
+    kv = jax.random.normal(k1, (pages + 1, ps, 576), jnp.bfloat16)
+    qn = jax.random.normal(k2, (rows, h, 128), jnp.bfloat16)
+    qr = jax.random.normal(k3, (rows, h, 64), jnp.bfloat16)
+    w = jax.random.normal(k4, (2, h, 128, 512), jnp.bfloat16) * 0.05
+
+    def run(backend):
+        return jax.jit(lambda: long_prefill.chunk_attention(
+            qn, qr, lambda ids: kv_cache.read_values(kv, ids, jnp.bfloat16), table, jnp.int32(prefix),
+            jnp.int32(n), w[0], w[1], page_size=ps, softmax_scale=192**-0.5, backend=backend))()
+
+    got, want = (np.asarray(run(b), np.float32) for b in ("pallas", "reference"))
+    assert np.all(np.isfinite(got))
+    bound = 2.0**-6 * np.abs(want[:n]).max()
+    assert np.abs(got[:n] - want[:n]).max() <= bound, (np.abs(got[:n] - want[:n]).max(), bound)
+    assert np.all(got[n:] == 0)  # padding rows

@@ -109,6 +109,7 @@ class Engine:
             "steps": 0, "batch_sizes": deque(maxlen=recent), "tokens": deque(maxlen=recent),
             "padded_tokens": deque(maxlen=recent), "sum_rows": 0, "sum_tokens": 0, "sum_padded": 0,
             "peak_page_usage": 0.0, "preemptions": 0, "spec_proposed": 0, "spec_accepted": 0,
+            "long_prefill_steps": 0,  # steps run by the naive-form long-prefill programs
             "mask_s": 0.0}  # host seconds spent filling grammar bitmasks
         self.mask_words = -(-handle.config.vocab_size // 32)
         self.stats: ChainMap[str, Any] = ChainMap(self._counters, executor.stats)
@@ -199,6 +200,7 @@ class Engine:
                            width=self.width, logprobs=any(r.logprobs is not None for r, _ in plan),
                            num_shards=self._shards, scratch_slot=self.cfg.max_batch,
                            mask_words=self.mask_words, long_prefill=self.long_prefill)
+        self._counters["long_prefill_steps"] += batch.key.long_prefill
         if batch.key.mask_words:  # while the previous step runs on the device (pipelined)
             t0 = time.perf_counter()
             bitmask = batch.view("bitmask")
