@@ -180,3 +180,27 @@ def test_cudnn_chunk_attention_matches_the_reference_gpu():
     bound = 2.0**-6 * np.abs(want[:n]).max()
     assert np.abs(got[:n] - want[:n]).max() <= bound, (np.abs(got[:n] - want[:n]).max(), bound)
     assert np.all(got[n:] == 0)  # padding rows
+
+
+def test_long_prefill_on_a_tensor_mesh_gives_one_devices_tokens(tmp_path):
+    """Heads split over tensor=8 (one batch shard): the long-prefill steps run under the partitioner and
+    the tokens equal one device's without the path."""
+    import dsv3_jax
+    from tests.hf_reference import make_hf_model, save_hf
+    from tests.mesh_models import MESH_CONFIGS  # noqa: F401  (registers h8e16)
+
+    ckpt = save_hf(make_hf_model("h8e16"), tmp_path)
+    prompt = np.random.default_rng(3).integers(2, 500, 45).tolist()
+    cfg = dict(num_pages=24, page_size=4, max_batch=2, max_batched_tokens=8, chunk_size=8, row_buckets=(2,))
+
+    def run(handle, **kw):
+        eng = Engine(handle, EngineConfig(**cfg, **kw))
+        rid = eng.add_request(prompt, max_new_tokens=4)
+        for _ in eng.run():
+            pass
+        return eng.finished[rid].output, eng.stats["long_prefill_steps"]
+
+    want, none = run(dsv3_jax.load(ckpt))
+    got, steps = run(dsv3_jax.load(ckpt, mesh="tensor=8"), long_prefill_from=16)
+    assert none == 0 and steps == 4  # chunks at 16, 24, 32, 40
+    assert got == want
