@@ -36,6 +36,9 @@ def test_serve_vllm_names_equal_the_aliases():
     assert str(a.ckpt) == "/ckpt/DeepSeek-V3.1" and a.mesh == "tensor=8" and a.spec_k == 1
     assert serve_cli.engine_config(a) == serve_cli.engine_config(b)
     assert _serve(["-tp", "2", "--model", "/m"]).mesh == "tensor=2"
+    assert serve_cli.engine_config(_serve(["--long-prefill-from", "16384"])).long_prefill_from == 16384
+    with pytest.raises(ValueError, match="--long-prefill-from must be >= 0"):
+        _serve(["--long-prefill-from", "-1"])
 
 
 def test_generate_takes_the_same_words():

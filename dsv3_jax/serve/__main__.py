@@ -92,6 +92,10 @@ def _parser() -> argparse.ArgumentParser:
                         "adds two compiled programs)")
     g.add_argument("--row-buckets", type=_ints,
                    help="decode step capacities below --max-num-seqs (default 4,32; each adds two programs)")
+    g.add_argument("--long-prefill-from", type=int, default=d.long_prefill_from, metavar="TOKENS",
+                   help="a prompt's chunk past this prefix, alone in its step, attends in naive form "
+                        "(expanded K/V, cuDNN flash attention): faster long prompts, two more programs "
+                        "(0 = off)")
     p.add_argument("--max-pending", type=int, default=None,
                    help="requests in flight before new ones get 429 (default: 4 x --max-num-seqs)")
     p.add_argument("--no-warmup", "--enforce-eager", dest="no_warmup", action="store_true",
@@ -141,7 +145,8 @@ def engine_config(args: argparse.Namespace) -> Any:
              if getattr(args, k, None) is not None}
     return EngineConfig(num_pages=args.num_pages, max_batch=args.max_batch, chunk_size=args.chunk_size,
                         prefix_caching=not args.no_prefix_caching, spec_k=args.spec_k,
-                        max_batched_tokens=args.max_batched_tokens, **extra)
+                        max_batched_tokens=args.max_batched_tokens, long_prefill_from=args.long_prefill_from,
+                        **extra)
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -153,6 +158,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-pending must be >= 1, got {args.max_pending}")
     if args.max_request_body_bytes < 1024:
         raise ValueError(f"--max-request-body-bytes must be >= 1024, got {args.max_request_body_bytes}")
+    if args.long_prefill_from < 0:
+        raise ValueError(f"--long-prefill-from must be >= 0 tokens (0: off), got {args.long_prefill_from}")
     if args.drain_timeout < 0:
         raise ValueError(f"--drain-timeout must be >= 0 seconds, got {args.drain_timeout}")
     if args.seed is not None and not 0 <= args.seed < 2**63:
