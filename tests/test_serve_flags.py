@@ -39,6 +39,10 @@ def test_serve_vllm_names_equal_the_aliases():
     assert serve_cli.engine_config(_serve(["--long-prefill-from", "16384"])).long_prefill_from == 16384
     with pytest.raises(ValueError, match="--long-prefill-from must be >= 0"):
         _serve(["--long-prefill-from", "-1"])
+    capped = serve_cli.engine_config(_serve(["--prefill-attention-pairs", "1048576"]))
+    assert capped.prefill_attention_pairs == 2**20
+    with pytest.raises(ValueError, match="--prefill-attention-pairs must be >= 0"):
+        _serve(["--prefill-attention-pairs", "-5"])
 
 
 def test_generate_takes_the_same_words():

@@ -55,15 +55,21 @@ class EngineConfig:
     # While a step carries decode rows, its prefill chunks attend at most this many (query, key) pairs
     # (scheduler.py): 2**21 = a 512-token chunk at a 4K prefix, ~16 tokens at 128K; 0 = no cap. Spread over
     # the GPU (the MLA kernel's long-row splits, mla_decode.split_plan) that is 2**21 x 128 heads x 2,176
-    # FLOP = 0.58 TFLOP, ~1.2 ms a layer at any prefix (~6 ms a step on the 5-layer slice beside a ~13 ms
-    # decode step: p99 ~1.5x the decoders' p50, inside the 2x goal); 2**20 halves that and doubles the long
-    # prompt's TTFT.
+    # FLOP = 0.58 TFLOP, ~1.2 ms a layer at any prefix; 2**20 halves that and doubles the long prompt's TTFT.
+    # Measured on an H100 (2026-12-07, RESULTS.md): 32 decoders beside a 128K prompt at 2**20 kept their p99
+    # ITL at 1.94x their p50 (goal 2x); the long prompt took 172 s. 2**21 stays the default: it halves the
+    # prefill steps of short prompts under load (gpu_smoke's 64 x 1K load), and 2**20 has not been timed
+    # there. `serve --prefill-attention-pairs` sets it.
     prefill_attention_pairs: int = 2**21
     # A step that holds only one sequence's prefill chunk, starting at a prefix of at least this many tokens,
     # attends in naive form (model/long_prefill.py: the prefix's latents expanded to per-head K/V, flash
     # attention): 3.4x fewer attention FLOPs than the absorbed form, the prefill path for long prompts.
     # Only chunks that fill the step shape a whole `chunk_size` chunk picks take it: two more programs
-    # (greedy, full). 0 = off (the default until its GPU figures are in: benchmarks/long_context.py).
+    # (greedy, full). On an H100 a 128K prompt's TTFT was 9.8 s with it (2026-12-07), 53% of the naive-form
+    # compute floor; 26.7 s without it (2026-12-05, absorbed). 0 = off, the default: the pool planner does
+    # not yet count the path's transient K/V block (long_prefill.BLOCK_TOKENS x heads x 320 x 2 B, 1.3 GB
+    # at 128 heads), and the GPU gate has not run an engine with it on. `serve --long-prefill-from 16384`
+    # turns it on.
     long_prefill_from: int = 0
     prefix_caching: bool = True
     spec_k: int = 0  # MTP draft tokens per step (0 = off, 1..3)

@@ -92,6 +92,10 @@ def _parser() -> argparse.ArgumentParser:
                         "adds two compiled programs)")
     g.add_argument("--row-buckets", type=_ints,
                    help="decode step capacities below --max-num-seqs (default 4,32; each adds two programs)")
+    g.add_argument("--prefill-attention-pairs", type=int, default=d.prefill_attention_pairs, metavar="PAIRS",
+                   help="while decode rows share a step, its prefill chunks attend at most this many (query, "
+                        "key) pairs (0 = no cap); 1048576 kept decoders' p99 ITL within 2x beside a 128K "
+                        "prompt on an H100 (benchmarks/RESULTS.md)")
     g.add_argument("--long-prefill-from", type=int, default=d.long_prefill_from, metavar="TOKENS",
                    help="a prompt's chunk past this prefix, alone in its step, attends in naive form "
                         "(expanded K/V, cuDNN flash attention): faster long prompts, two more programs "
@@ -146,7 +150,7 @@ def engine_config(args: argparse.Namespace) -> Any:
     return EngineConfig(num_pages=args.num_pages, max_batch=args.max_batch, chunk_size=args.chunk_size,
                         prefix_caching=not args.no_prefix_caching, spec_k=args.spec_k,
                         max_batched_tokens=args.max_batched_tokens, long_prefill_from=args.long_prefill_from,
-                        **extra)
+                        prefill_attention_pairs=args.prefill_attention_pairs, **extra)
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -158,6 +162,9 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-pending must be >= 1, got {args.max_pending}")
     if args.max_request_body_bytes < 1024:
         raise ValueError(f"--max-request-body-bytes must be >= 1024, got {args.max_request_body_bytes}")
+    if args.prefill_attention_pairs < 0:
+        raise ValueError(f"--prefill-attention-pairs must be >= 0 (0: no cap), "
+                         f"got {args.prefill_attention_pairs}")
     if args.long_prefill_from < 0:
         raise ValueError(f"--long-prefill-from must be >= 0 tokens (0: off), got {args.long_prefill_from}")
     if args.drain_timeout < 0:
