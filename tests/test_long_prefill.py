@@ -204,3 +204,54 @@ def test_long_prefill_on_a_tensor_mesh_gives_one_devices_tokens(tmp_path):
     got, steps = run(dsv3_jax.load(ckpt, mesh="tensor=8"), long_prefill_from=16)
     assert none == 0 and steps == 4  # chunks at 16, 24, 32, 40
     assert got == want
+
+
+@pytest.mark.gpu
+def test_long_prefill_engine_gives_the_absorbed_engines_tokens_on_the_gpu():
+    """The embedded default model (BF16, DeepSeek's MLA widths, 16 heads) through the engine, one 1,024-token
+    prompt at a time in 128-token chunks: with the long-prefill path from 256 (cuDNN) and without it (the
+    Pallas MLA kernel), the same greedy tokens while no near tie decides them, the logprobs within bf16
+    rounding: 2 bf16 steps of the largest logit, the bound test_trace_options derives for another GEMM
+    order (a different attention algorithm moves the hidden state by roundings the same way)."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    import json
+    from pathlib import Path
+
+    from dsv3_jax import api
+
+    d = api.DEFAULT_MODEL_DIR
+    mcfg = ModelConfig.from_json(d / "config.json")
+    h = ModelHandle(mcfg, jax.tree_util.tree_map(jnp.asarray, api._host_params(d, mcfg)))
+    data = Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "mtp_depth_prompts.json"
+    ids = json.loads(data.read_text())["ids"]
+    prompts = [sum(ids[16 * i:16 * i + 16], [])[:1024] for i in range(2)]
+    base = dict(num_pages=64, max_batch=4, max_batched_tokens=128, chunk_size=128)
+    runs, long_steps = [], []
+    for start in (0, 256):
+        eng = Engine(h, EngineConfig(**base, long_prefill_from=start))
+        out = []
+        for p in prompts:  # alone, so every chunk past 256 is a lone chunk
+            rid = eng.add_request(p, max_new_tokens=16, logprobs=2)
+            for _ in eng.run():
+                pass
+            out.append(eng.finished[rid].output_logprobs)
+        runs.append(out)
+        long_steps.append(eng.stats["long_prefill_steps"])
+    assert long_steps == [0, 2 * 6]  # chunks at 256, 384, ..., 896
+    seqs = [list(p) + [t.token for t in lps] for p, lps in zip(prompts, runs[0], strict=True)]
+    width = min(map(len, seqs))
+    biggest = float(np.abs(h.forward(np.asarray([q[:width] for q in seqs])).max(-1)).max())
+    bound = 2 * 2.0 ** (np.floor(np.log2(biggest)) - 7)
+    compared = 0
+    for a, b in zip(*runs, strict=True):
+        for x, y in zip(a, b, strict=False):
+            assert abs(x.logprob - y.logprob) <= bound, (x, y, bound)
+            compared += 1
+            margin = min(x.top[0][1] - x.top[1][1], y.top[0][1] - y.top[1][1])
+            if x.token != y.token:
+                assert margin <= bound, (x, y)
+                break
+            if margin <= bound:
+                break
+    assert compared >= 4

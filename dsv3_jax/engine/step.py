@@ -9,6 +9,9 @@ chunk_size. Nothing is padded per row, so a 512-token chunk next to 63 decode ro
 64 x 512. Tokens past the scheduled count are padding: they write only page 0 (scratch), attend to
 nothing and are routed to no expert. Attention runs with one token per kernel row (B = N, T = 1); for
 128 heads that is what the MLA kernel's 64-row tiles did for a chunk anyway.
+A step that holds only one sequence's prefill chunk past `EngineConfig.long_prefill_from` is keyed
+`long_prefill`: the same layout, but attention runs in naive form over the pool (model/long_prefill.py,
+`PageMeta.long_prefill`), the faster algorithm at a long prefix.
 
 Step shapes are a fixed, small set (`StepShapes`), because one shape of the full-width model costs ~26 s
 of GPU compile: decode capacities (S rows of spec_k + 1 tokens) for a few row counts, and mixed/prefill
