@@ -260,7 +260,8 @@ DEFAULT_MEMORY_FRACTION = 0.90  # like vLLM's --gpu-memory-utilization: weights 
 
 
 def activation_estimate(cfg: ModelConfig, sizes: Mapping[str, int], *, max_batched_tokens: int,
-                        max_batch: int, max_model_len: int, attention_kernel: bool = False) -> int:
+                        max_batch: int, max_model_len: int, attention_kernel: bool = False,
+                        long_prefill: bool = False) -> int:
     """Peak transient bytes of one engine step on one device (fp32 intermediates), an upper estimate.
 
     Terms, per device (tokens and sequences are split over the batch shards, heads / vocab / FFN over
@@ -270,6 +271,8 @@ def activation_estimate(cfg: ModelConfig, sizes: Mapping[str, int], *, max_batch
     queries and the latent output), the MoE's gathered group tokens (expert x D per token) and expert
     intermediates (k x 3 x FFN width), and the sampled rows' logits (3 copies of V: logits,
     probabilities, sort).
+    With `long_prefill` (EngineConfig.long_prefill_from > 0) the naive-form path's K/V block and its
+    chunk's state are added (model/long_prefill.transient_bytes).
     An engine that measured its compiled step passes the measured bytes to `pool_plan` instead.
     """
     shards = sharding.mesh_size(sharding.LOGICAL_RULES["batch"], sizes)
@@ -280,7 +283,13 @@ def activation_estimate(cfg: ModelConfig, sizes: Mapping[str, int], *, max_batch
     scores = cfg.kv_lora_rank if attention_kernel else max_model_len
     per_token = (16 * cfg.hidden_size + heads * (cfg.latent_dim + scores)
                  + ep * cfg.hidden_size + cfg.num_experts_per_tok * 3 * cfg.moe_intermediate_size // t)
-    return 4 * (tok * per_token + rows * 3 * cfg.vocab_size // t)
+    total = 4 * (tok * per_token + rows * 3 * cfg.vocab_size // t)
+    if long_prefill:
+        from dsv3_jax.model import long_prefill as lp
+
+        total += lp.transient_bytes(heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim,
+                                    max_batched_tokens, max_model_len)
+    return total
 
 
 @dataclasses.dataclass(frozen=True)
@@ -352,12 +361,13 @@ def pool_plan(cfg: ModelConfig, mesh: str | Mapping[str, int] | Any, *, dtype: s
               form: str = "absorbed", cache_dtype: Any = None, mtp: bool = False,
               max_batched_tokens: int = 512, max_batch: int = 32, activation_bytes: int | None = None,
               params_or_shapes: Any = None, include_mtp: bool = True,
-              attention_kernel: bool = False) -> PoolPlan:
+              attention_kernel: bool = False, long_prefill: bool = False) -> PoolPlan:
     """Size the engine's page pool: what `memory_fraction` of each device leaves after the weights and
     one step's activations, in whole pages (layout.cache_layout, sharded by its logical axes: each batch
     shard's devices hold only that shard's slice). Raises PlanError, with the numbers, when
     not even one `max_model_len`-token request fits a shard's slice. `attention_kernel`: the step runs
-    the Pallas MLA kernel (no score matrix; see activation_estimate).
+    the Pallas MLA kernel (no score matrix; see activation_estimate); `long_prefill`: the engine runs the
+    naive-form long-prefill path (its transient K/V block is reserved too).
     """
     from dsv3_jax.model import kv_cache
 
@@ -383,7 +393,7 @@ def pool_plan(cfg: ModelConfig, mesh: str | Mapping[str, int] | Any, *, dtype: s
     measured = activation_bytes is not None
     act = int(activation_bytes) if measured else activation_estimate(
         cfg, sizes, max_batched_tokens=max_batched_tokens, max_batch=max_batch, max_model_len=max_model_len,
-        attention_kernel=attention_kernel)
+        attention_kernel=attention_kernel, long_prefill=long_prefill)
     budget = int(memory_fraction * weights.device_memory) - weights.weight_bytes_per_device - act
     pages = max(budget, 0) // page_bytes
     p = PoolPlan(mesh=sizes, page_size=page_size, max_model_len=max_model_len,

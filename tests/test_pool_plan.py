@@ -52,6 +52,20 @@ def test_estimated_activations_grow_with_the_step():
     assert big.pages_per_shard < small.pages_per_shard
 
 
+def test_the_long_prefill_path_reserves_its_block():
+    """An engine running the naive-form long-prefill path reserves its transient K/V block: exactly
+    long_prefill.transient_bytes at the device's heads, fewer pages for it."""
+    from dsv3_jax.model import long_prefill
+
+    kw = dict(dtype="fp32", max_model_len=512, device_memory="1GB", max_batched_tokens=64)
+    plain = plan.pool_plan(TINY, "tensor=2,expert=4", **kw)
+    long = plan.pool_plan(TINY, "tensor=2,expert=4", long_prefill=True, **kw)
+    extra = long_prefill.transient_bytes(TINY.num_attention_heads // 2, TINY.qk_head_dim, TINY.v_head_dim,
+                                         64, 512)
+    assert long.activation_bytes_per_device - plain.activation_bytes_per_device == extra > 0
+    assert long.pages_per_shard < plain.pages_per_shard
+
+
 def test_refuses_when_one_request_cannot_fit():
     w = plan.plan(TINY, "expert=8", dtype="fp32", device_memory="1GB", reserve=0)
     page_b = layout.bytes_per_token(TINY, "absorbed", jnp.float32) * 64

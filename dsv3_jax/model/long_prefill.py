@@ -31,6 +31,16 @@ from dsv3_jax.model import kernel_dispatch as kernels
 BLOCK_TOKENS = 16384  # keys expanded at once: 1.3 GB of bf16 K/V at 128 heads; merges cost ~5% at 4K queries
 
 
+def transient_bytes(heads: int, qk_head_dim: int, v_head_dim: int, chunk: int, max_keys: int) -> int:
+    """Peak bytes `chunk_attention` holds beyond the step's other activations, on a device with `heads` heads:
+    one block's K and V in bf16 and their fp32 products before the cast (at most `max_keys` keys), the
+    chunk's own K/V likewise, and the fp32 output and merge state of the chunk's queries. The pool planner
+    reserves it for engines that run the path (plan.activation_estimate)."""
+    keys = min(BLOCK_TOKENS, max_keys) + chunk
+    per_key = heads * (2 * (qk_head_dim + v_head_dim) + 4 * 2 * v_head_dim)
+    return keys * per_key + chunk * heads * 4 * (3 * v_head_dim + 2)
+
+
 def _merge(o_a: jax.Array, lse_a: jax.Array, o_b: jax.Array, lse_b: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Two softmax-normalized partial outputs [N, H, dv] (fp32) over disjoint keys, with their natural-log
     lse [N, H], as one. An empty part has lse -inf and weighs nothing."""

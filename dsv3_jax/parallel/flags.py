@@ -227,7 +227,8 @@ def engine_plan(handle: Any, args: argparse.Namespace, *, spec_k: int = 0) -> An
         form=handle.attention, cache_dtype=getattr(args, "kv_cache_dtype", "auto"), mtp=bool(spec_k),
         max_batched_tokens=getattr(args, "max_batched_tokens", None) or 2048,
         max_batch=getattr(args, "max_batch", None) or 256, params_or_shapes=handle.params,
-        attention_kernel=attention_kernel_serves(handle, getattr(args, "kv_cache_dtype", "auto")))
+        attention_kernel=attention_kernel_serves(handle, getattr(args, "kv_cache_dtype", "auto")),
+        long_prefill=(getattr(args, "long_prefill_from", 0) or 0) > 0)
 
 
 def attention_kernel_serves(handle: Any, kv_cache_dtype: str | None) -> bool:
