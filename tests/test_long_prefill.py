@@ -18,6 +18,7 @@ from dsv3_jax.engine.executor import DeviceExecutor
 from dsv3_jax.model import kernel_dispatch, kv_cache, long_prefill
 from dsv3_jax.model.kv_cache import PageMeta
 from dsv3_jax.model.transformer import Transformer
+from tests.greedy_compare import bf16_logit_bound, compare_until_near_tie
 
 CFG = ModelConfig.preset("tiny").replace(vocab_size=256, max_position_embeddings=512,
                                          num_nextn_predict_layers=0)
@@ -239,19 +240,5 @@ def test_long_prefill_engine_gives_the_absorbed_engines_tokens_on_the_gpu():
         runs.append(out)
         long_steps.append(eng.stats["long_prefill_steps"])
     assert long_steps == [0, 2 * 6]  # chunks at 256, 384, ..., 896
-    seqs = [list(p) + [t.token for t in lps] for p, lps in zip(prompts, runs[0], strict=True)]
-    width = min(map(len, seqs))
-    biggest = float(np.abs(h.forward(np.asarray([q[:width] for q in seqs])).max(-1)).max())
-    bound = 2 * 2.0 ** (np.floor(np.log2(biggest)) - 7)
-    compared = 0
-    for a, b in zip(*runs, strict=True):
-        for x, y in zip(a, b, strict=False):
-            assert abs(x.logprob - y.logprob) <= bound, (x, y, bound)
-            compared += 1
-            margin = min(x.top[0][1] - x.top[1][1], y.top[0][1] - y.top[1][1])
-            if x.token != y.token:
-                assert margin <= bound, (x, y)
-                break
-            if margin <= bound:
-                break
+    compared = compare_until_near_tie(*runs, bf16_logit_bound(h, prompts, runs[0]))
     assert compared >= 4

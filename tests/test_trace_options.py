@@ -11,7 +11,6 @@ import logging
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from dsv3_jax.api import ModelHandle
@@ -24,6 +23,7 @@ from dsv3_jax.model.moe import MoE
 from dsv3_jax.model.trace_options import TraceOptions
 from dsv3_jax.model.transformer import Transformer
 from dsv3_jax.parallel import sharding
+from tests.greedy_compare import bf16_logit_bound, compare_until_near_tie
 
 CFG = ModelConfig.preset("tiny").replace(vocab_size=256, max_position_embeddings=512,
                                          num_nextn_predict_layers=0)
@@ -234,25 +234,9 @@ def test_bf16_gemm_options_change_no_result_on_the_gpu():
         for _ in eng.run():
             pass
         runs.append([eng.finished[r].output_logprobs for r in rids])
-    # The bound, from the arithmetic: the model's logits are bf16 (lm_head in the compute dtype, then cast),
-    # so another GEMM order that moves the hidden state by a rounding can move a logit by one bf16 step at
-    # its magnitude, and the log-sum-exp (ruled by the top logits) by one more: 2 steps of the largest
-    # logit (this model's top logits reach ~26: a step of 0.125). On an H100 (2026-12-07) a fixed 0.05 failed
-    # at 0.061.
-    seqs = [list(p) + [t.token for t in lps] for p, lps in zip(prompts, runs[0], strict=True)]
-    width = min(map(len, seqs))
-    biggest = float(np.abs(h.forward(np.asarray([q[:width] for q in seqs])).max(-1)).max())  # the top logits
-    step_at = 2.0 ** (np.floor(np.log2(biggest)) - 7)  # bf16: 8 significant bits
-    bound = 2 * step_at
-    compared = 0
-    for a, b in zip(*runs, strict=True):
-        for x, y in zip(a, b, strict=False):
-            assert abs(x.logprob - y.logprob) <= bound, (x, y, bound)
-            compared += 1
-            margin = min(x.top[0][1] - x.top[1][1], y.top[0][1] - y.top[1][1])
-            if x.token != y.token:
-                assert margin <= bound, (x, y)  # only a near tie may go either way
-                break
-            if margin <= bound:
-                break  # past a near tie the sequences may part
+    # The bound, from the arithmetic (greedy_compare.bf16_logit_bound): 2 bf16 steps of the largest logit
+    # (this model's top logits reach ~26: a step of 0.125). On an H100 (2026-12-06) a fixed 0.05 failed at
+    # 0.061.
+    bound = bf16_logit_bound(h, prompts, runs[0])
+    compared = compare_until_near_tie(*runs, bound)
     assert compared >= 48  # 69 of 192 on the CPU (identical runs; near ties end a sequence)

@@ -17,8 +17,9 @@ rounded values the absorbed path reads.
 The per-block attention is `kernel_dispatch.flash_attention`: cuDNN's flash attention on a GPU, a
 plain-jnp reference elsewhere.
 
-Owns: the block loop, the expansion and the merge. Must not write the pool, pick which steps take this
-path (engine: step.py / EngineConfig.long_prefill_from) or know about layers or meshes.
+Owns: the block loop, the expansion, the merge and the path's transient memory (`transient_bytes`).
+Must not write the pool, pick which steps take this path (engine: step.py / EngineConfig.long_prefill_from)
+or know about layers or meshes.
 """
 
 from __future__ import annotations
