@@ -5,6 +5,9 @@ Owns: the q/kv projections, YaRN rope on the 64 rope dims, and attention itself 
 - *absorbed* form: the cache keeps only [c ; k_rope] (576 values per token for V3); W_uk (kv_b's K half)
   is folded into q, and W_uv (its V half) is applied after attention.
 Both forms give the same numbers; names follow the paper / official reference (wkv_a, kv_norm, q_pe).
+One sequence's prefill chunk alone in a step (`PageMeta.long_prefill`) reads the absorbed pool in naive
+form instead (long_prefill.py: the prefix's latents expanded to per-head K/V, flash attention): at a long
+prefix the faster algorithm.
 With a cache, both forms read and write *pages* through cache.py's helpers (its layout; page 0 is
 scratch; an FP8 pool, absorbed form only, gets its rows quantized by `kv_cache.latent_rows` on write
 and dequantized by whichever attention reads it); a batch may be ragged (row b holds chunk_lens[b] real

@@ -10,7 +10,8 @@ tokens are written there). The page size is `PAGE_SIZE` (the MLA kernels keep th
 `pallas_kernels.mla_common.PAGE_SIZE`, since kernels import nothing from dsv3_jax; a test ties the two).
 `latent_rows` puts new tokens in the pool's format (an FP8 pool quantizes them: the step's cache write
 does, in prefill and decode alike) and `absorbed_pages` gives the attention read its pool (one array or
-`mla_common.Fp8Pages`); `write_pages` / `gather_pages` are the only code that indexes pages (`layer_view`
+`mla_common.Fp8Pages`); `write_pages` / `gather_pages` / `read_values` (a run of pages as token values, FP8
+dequantized: the long-prefill read) are the only code that indexes pages (`layer_view`
 hands them one layer of a scanned stack without slicing it out); `clear_pages` zeroes pages (a request
 whose numbers went non-finite must not leave NaN where the next owner's masked slots would read it;
 zero FP8 pages, scales included, read as zeros). `contiguous_table` gives each
