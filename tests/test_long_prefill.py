@@ -73,6 +73,18 @@ def test_long_prefill_matches_the_absorbed_path_and_the_full_forward(params, mon
         np.testing.assert_allclose(got, full, rtol=1e-4, atol=1e-4)
 
 
+def test_a_chunk_that_ends_late_in_its_last_page_reads_its_own_keys(params):
+    """15 rows (not a multiple of the page) starting 3 tokens into a page span 5 pages: the chunk's own
+    window must hold them all (a window one page short would be clamped onto the wrong keys)."""
+    model = Transformer(CFG)
+    seq = np.random.default_rng(6).integers(2, 256, 7 + 15)
+    table = np.arange(1, 9, dtype=np.int32)
+    _, cache = _rows(model, params, kv_cache.allocate(CFG, 10, PS), seq[:7], 0, 8, False, table)
+    got, _ = _rows(model, params, cache, seq[7:], 7, 15, True, table)
+    full = model.apply({"params": params}, jnp.asarray(seq)[None], jnp.arange(len(seq))[None])[0]
+    np.testing.assert_allclose(got, np.asarray(full)[0, 7:], rtol=1e-4, atol=1e-4)
+
+
 def test_a_chunk_at_prefix_zero_attends_only_to_itself(params):
     model = Transformer(CFG)
     seq = np.arange(3, 15)

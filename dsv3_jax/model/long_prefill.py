@@ -81,7 +81,7 @@ def chunk_attention(q_nope: jax.Array, q_rope: jax.Array, read_pages, table: jax
     dtype = q_nope.dtype
     q = jnp.concatenate([q_nope, q_rope.astype(dtype)], axis=-1)
     bp = max(1, (block_tokens or BLOCK_TOKENS) // page_size)  # pages per block
-    self_pages = n // page_size + 1  # pages a chunk of n tokens starting mid-page can span
+    self_pages = -(-(n + page_size - 1) // page_size)  # pages n tokens span from any offset within a page
     width = table.shape[0]
     # Padded so that every block's and the chunk's page window is a static-size slice (page 0 is scratch:
     # finite, and masked out by the lengths below).
