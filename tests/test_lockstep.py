@@ -55,9 +55,10 @@ def test_messages_round_trip_by_field_name():
     assert got == cfg and isinstance(got.token_buckets, tuple) and isinstance(got.row_buckets, tuple)
     assert _round_trip(lockstep.Build(EngineConfig())).config == EngineConfig()
 
-    keys = (StepKey(256, 32, 16, 2, True, 4), StepKey(8, 4, 16, 2, False))
+    keys = (StepKey(256, 32, 16, 2, True, 4), StepKey(8, 4, 16, 2, False),
+            StepKey(8, 4, 16, 2, False, 0, True))  # a long-prefill program
     back = _round_trip(lockstep.Warmup(keys)).keys
-    assert back == keys and [type(v) for v in back[0]] == [int, int, int, int, bool, int]
+    assert back == keys and [type(v) for v in back[0]] == [int, int, int, int, bool, int, bool]
     assert _round_trip(lockstep.Warmup(())).keys == ()
 
     ints, floats = np.arange(7, dtype=np.int32), np.linspace(0, 1, 5, dtype=np.float32)
