@@ -9,14 +9,16 @@ of priority (a wall-clock budget skips what no longer fits and says so; --tasks 
           chunks of 512-4K new tokens over a 128K cached prefix, H=128: TFLOP/s in its own (absorbed,
           576/512) FLOPs, beside torch SDPA (FlashAttention-style, causal lower-right) on the naive-form
           shapes of the same attention (qk 192, v 128 per head): the time each takes for the same
-          attention, and the peer's TFLOP/s in naive-form FLOPs.
+          attention, and the peer's TFLOP/s in naive-form FLOPs. Beside them the engine's naive-form
+          long-prefill path (model/long_prefill.py: expansion + cuDNN flash attention), in naive-form FLOPs.
   long    (a) one request of 32K, 64K, 128K (and 160K last, if the budget allows) prompt tokens through
           the engine alone: TTFT beside the prefill compute floor = body FLOPs (activated parameters
           without embedding and head, 2 per token) at the fp8 GEMM rate + attention FLOPs at the bf16
           GEMM rate, the attention counted as the engine computes it (absorbed form, causal pairs x
           (576 + 512) x 2 per head and layer; the naive-form count, 3.4x smaller, is in the JSON); then
           decode ITL at that context (batch 1) beside its HBM floor (`e2e_bench.step_bytes` at the
-          device copy bandwidth).
+          device copy bandwidth). With --long-prefill-from, lone chunks past it take the naive-form path
+          and the TTFT's share of the naive-form floor is the figure to read.
   stall   (b) 32 requests decoding at a 4K context while a 128K prompt arrives: their ITL p50 / p99 / max
           during the long prefill against their p50 just before it (goal: p99 <= 2x), the long prompt's
           TTFT beside its TTFT alone, and the steps' token counts (the prefill attention cap at work:
