@@ -466,10 +466,11 @@ def split_partials(out_parts: jax.Array, lse_parts: jax.Array, num_queries: int,
 
 
 def merge_partials(out: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Log-sum-exp merge over axis 1 of normalized partials out [N, S, ..., 512] / lse [N, S, ...] (empty
-    partials: lse -inf) -> out [N, ..., 512] float32, lse [N, ...] float32. Two plain passes: m = max lse,
-    w = exp(lse - m), out = sum(w out) / sum(w), lse = m + log(sum w); rows empty in every split give
-    (out 0, lse -inf), not NaN."""
+    """Log-sum-exp merge over axis 1 of normalized partials out [N, S, ..., D] / lse [N, S, ...] (empty
+    partials: lse -inf) -> out [N, ..., D] float32, lse [N, ...] float32 (D = 512 here; any width: the
+    long-prefill path, dsv3_jax/model/long_prefill.py, merges its blocks with it too). Two plain passes:
+    m = max lse, w = exp(lse - m), out = sum(w out) / sum(w), lse = m + log(sum w); rows empty in every
+    split give (out 0, lse -inf), not NaN."""
     m = jnp.max(lse, axis=1)
     m = jnp.where(m == -jnp.inf, 0.0, m)
     w = jnp.exp(lse - jnp.expand_dims(m, 1))  # 0 for an empty split

@@ -162,11 +162,9 @@ def layer_view(pages: jax.Array, meta: PageMeta, layer: jax.Array | None) -> tup
 def read_values(pages, ids: jax.Array, dtype) -> jax.Array:
     """Absorbed pages `ids` [n] of a pool (`absorbed_pages`: one array or FP8 pages, dequantized) as one run
     of token values [n * page_size, latent + rope] in `dtype`."""
-    from pallas_kernels.mla_common import dequantize_kv, is_fp8_cache
+    from pallas_kernels.mla_common import Fp8Pages, dequantize_kv, is_fp8_cache
 
     if is_fp8_cache(pages):
-        from pallas_kernels.mla_common import Fp8Pages
-
         vals = dequantize_kv(Fp8Pages(*(x[ids] for x in pages)), dtype=dtype)
     else:
         vals = pages[ids].astype(dtype)

@@ -43,15 +43,12 @@ def transient_bytes(heads: int, qk_head_dim: int, v_head_dim: int, chunk: int, m
 
 
 def _merge(o_a: jax.Array, lse_a: jax.Array, o_b: jax.Array, lse_b: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Two softmax-normalized partial outputs [N, H, dv] (fp32) over disjoint keys, with their natural-log
-    lse [N, H], as one. An empty part has lse -inf and weighs nothing."""
-    m = jnp.maximum(lse_a, lse_b)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    wa, wb = jnp.exp(lse_a - m), jnp.exp(lse_b - m)
-    total = wa + wb
-    safe = jnp.where(total > 0, total, 1.0)
-    o = (o_a * wa[..., None] + o_b * wb[..., None]) / safe[..., None]
-    return o, jnp.where(total > 0, m + jnp.log(safe), -jnp.inf)
+    """Two softmax-normalized partial outputs [N, H, dv] over disjoint keys, with their natural-log lse
+    [N, H], as one (fp32): the MLA kernel's split merge (`mla_decode.merge_partials`) over the pair. An
+    empty part has lse -inf and weighs nothing."""
+    from pallas_kernels.mla_decode import merge_partials
+
+    return merge_partials(jnp.stack([o_a, o_b], axis=1), jnp.stack([lse_a, lse_b], axis=1))
 
 
 def _expand(values: jax.Array, w_uk: jax.Array, w_uv: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
