@@ -199,11 +199,25 @@ def dense(results: list, configs, side: str, rows=(1, 64, 4096), experimental: b
         _row(results, case, "torch _scaled_mm fp8 (cuBLAS)", torch_device_time(peer), flops, n * k)
 
 
+CUBLAS = {"xla_gpu_enable_triton_gemm": False}  # XLA's dots as cuBLAS calls (executor.BF16_GEMM_OPTIONS)
+
+
+def weight_dequant_linear(x: jax.Array, w_fp8: jax.Array, w_scale: jax.Array) -> jax.Array:
+    """x [M, K] bf16 @ (w_fp8 [N, K] times its 128x128 block scales).T in bf16 with fp32 accumulation: a
+    weight-only FP8 linear as plain XLA (no activation quantization), for XLA to fuse the dequantization into
+    its GEMM (a Triton fusion reads one byte a weight) or, under CUBLAS, to materialize it."""
+    n, k = w_fp8.shape
+    s = jnp.repeat(jnp.repeat(w_scale, 128, 0)[:n], 128, 1)[:, :k]
+    w = (w_fp8.astype(jnp.float32) * s).astype(jnp.bfloat16)
+    return jnp.dot(x, w.T, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
 def linear(results: list, side: str, rows=(1, 64), experimental: bool = False) -> None:
     """A whole FP8 linear from bf16 activations, as the model runs it: the activation quantization in the
     same program as the GEMM, so XLA may fuse the padding and scale layout into the quantization (the
     `dense` rows time the GEMM alone, from pre-quantized inputs, where that glue is separate kernels).
-    Ours: `fp8_linear` (the default routing) and, with `experimental`, quantize + swap-AB. Peers: torch's fp8 rowwise linear
+    Ours: `fp8_linear` (the default routing), the weight-only dequantized dot as plain XLA (`weight_dequant_linear`,
+    Triton fusion and cuBLAS) and, with `experimental`, quantize + swap-AB. Peers: torch's fp8 rowwise linear
     (row amax, cast, `_scaled_mm` with per-row scales: coarser than our 1x128 blocks) and the bf16 GEMM
     of a BF16 checkpoint (`x @ w.T`, cuBLAS)."""
     from pallas_kernels.fp8_gemm import fp8_linear
@@ -220,10 +234,13 @@ def linear(results: list, side: str, rows=(1, 64), experimental: bool = False) -
                 ref = jax.jit(fp8_linear_reference)(*args)
                 few = experimental and m <= SWAP_MAX_ROWS
                 swap = (lambda a, w, s: fp8_gemm_swap_ab(*quantize_act(a), w, s)) if few else None
-                for who, f in (("pallas fp8_linear (default)", fp8_linear), ("pallas quantize + swap-AB", swap)):
+                for who, f, opts in (("pallas fp8_linear (default)", fp8_linear, None),
+                                     ("pallas quantize + swap-AB", swap, None),
+                                     ("xla weight-dequant dot (Triton fusion)", weight_dequant_linear, None),
+                                     ("xla weight-dequant dot (cuBLAS)", weight_dequant_linear, CUBLAS)):
                     if f is None:
                         continue
-                    fn = jax.jit(f)
+                    fn = jax.jit(f) if opts is None else jax.jit(f).lower(*args).compile(opts)
                     out = fn(*args)
                     _row(results, case, who, jax_device_time(fn, args), flops, n * k,
                          rel_err=round(_rel_err(out, ref), 5))

@@ -152,9 +152,39 @@ def test_cli_plan_counts_the_fp8_cache_as_read_by_the_kernel():
     plans = {}
     for dt in ("bf16", "fp8"):
         args = argparse.Namespace(device_memory="141GB", max_model_len=163840, memory_fraction=0.9,
-                                  max_batch=None, max_batched_tokens=None, kv_cache_dtype=dt)
+                                  max_batch=None, max_batched_tokens=None, kv_cache_dtype=dt,
+                                  long_prefill_from=0)
         plans[dt] = parallel_cli.engine_plan(handle(), args)
     bf16, fp8 = plans["bf16"], plans["fp8"]
     assert fp8.activation_bytes_per_device == bf16.activation_bytes_per_device < 4e9
     assert fp8.kv_tokens_per_shard >= 1.7 * bf16.kv_tokens_per_shard
     assert fp8.max_requests >= 1.7 * bf16.max_requests >= 1.7
+
+
+def test_cli_plan_follows_the_engine_default_for_long_prefill():
+    """A CLI without --long-prefill-from (generate) plans the engine's default: the naive-form block is
+    reserved when --max-model-len passes EngineConfig.long_prefill_from, and not below it (no sequence reaches
+    the path there, so the engine compiles nothing for it)."""
+    import argparse
+    from types import SimpleNamespace
+
+    from dsv3_jax import api
+    from dsv3_jax.engine.api import EngineConfig
+    from dsv3_jax.parallel import flags as parallel_cli
+
+    cfg = ModelConfig.preset("deepseek-v3").replace(num_hidden_layers=5, first_k_dense_replace=1,
+                                                   num_nextn_predict_layers=0)
+    h = SimpleNamespace(config=cfg, attention="absorbed", mesh=None, params=api._planned_shapes(cfg),
+                        trace_options=SimpleNamespace(kernels="pallas"))
+    assert EngineConfig.long_prefill_from > 0
+
+    def activations(max_model_len: int, **flag: int) -> int:
+        args = argparse.Namespace(device_memory="141GB", max_model_len=max_model_len, memory_fraction=0.9,
+                                  max_batch=None, max_batched_tokens=None, kv_cache_dtype="bf16", **flag)
+        return parallel_cli.engine_plan(h, args).activation_bytes_per_device
+
+    long_len = 4 * EngineConfig.long_prefill_from
+    assert activations(long_len) > activations(long_len, long_prefill_from=0)
+    assert activations(long_len) == activations(long_len, long_prefill_from=EngineConfig.long_prefill_from)
+    short = EngineConfig.long_prefill_from
+    assert activations(short) == activations(short, long_prefill_from=0)

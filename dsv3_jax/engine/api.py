@@ -66,11 +66,11 @@ class EngineConfig:
     # attention): 3.4x fewer attention FLOPs than the absorbed form, the prefill path for long prompts.
     # Only chunks that fill the step shape a whole `chunk_size` chunk picks take it: two more programs
     # (greedy, full). On an H100 a 128K prompt's TTFT was 9.8 s with it (2026-12-07), 53% of the naive-form
-    # compute floor; 26.7 s without it (2026-12-05, absorbed). 0 = off, the default until the GPU gate has
-    # run an engine with it on. `serve --long-prefill-from 16384` turns it on; the pool planner then
-    # reserves its transient K/V block (long_prefill.transient_bytes: 5.2 GB at 128 heads and 4K-token
-    # steps, 0.5 GB at 16 heads and 2K).
-    long_prefill_from: int = 0
+    # compute floor; 26.7 s without it (2026-12-05, absorbed). 0 = off (`serve --long-prefill-from 0`).
+    # The pool planner reserves its transient K/V block (long_prefill.transient_bytes: 5.2 GB at 128 heads
+    # and 4K-token steps, 0.5 GB at 16 heads and 2K). Engines whose sequences cannot reach the prefix
+    # (pool or context under it) compile nothing for it.
+    long_prefill_from: int = 16384
     prefix_caching: bool = True
     spec_k: int = 0  # MTP draft tokens per step (0 = off, 1..3)
     pipeline: bool = True  # dispatch step k+1 before reading step k (off: one step at a time)

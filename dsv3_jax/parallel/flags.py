@@ -212,6 +212,7 @@ def engine_plan(handle: Any, args: argparse.Namespace, *, spec_k: int = 0) -> An
     """The plan-sized pool for this model and mesh (plan.PoolPlan), or None without a device memory
     (CPU): PlanError when not even one --max-model-len request fits."""
     from dsv3_jax import api, plan
+    from dsv3_jax.engine.api import EngineConfig
     from dsv3_jax.model import kv_cache as cache
     from dsv3_jax.parallel import sharding
 
@@ -220,15 +221,19 @@ def engine_plan(handle: Any, args: argparse.Namespace, *, spec_k: int = 0) -> An
         return None
     cfg = handle.config
     sizes = dict.fromkeys(sharding.AXES, 1) if handle.mesh is None else sharding.axis_sizes(handle.mesh)
+    max_model_len = args.max_model_len or cfg.max_position_embeddings
+    # The engine's default when the CLI has no flag for it (generate); the path's programs and transient
+    # block exist only where a sequence can reach its prefix (engine/core.py).
+    long_from = getattr(args, "long_prefill_from", EngineConfig.long_prefill_from) or 0
     return plan.pool_plan(
         cfg, sizes, dtype=api._weights_dtype(cfg),
-        max_model_len=args.max_model_len or cfg.max_position_embeddings,
+        max_model_len=max_model_len,
         device_memory=mem, memory_fraction=args.memory_fraction, page_size=cache.PAGE_SIZE,
         form=handle.attention, cache_dtype=getattr(args, "kv_cache_dtype", "auto"), mtp=bool(spec_k),
         max_batched_tokens=getattr(args, "max_batched_tokens", None) or 2048,
         max_batch=getattr(args, "max_batch", None) or 256, params_or_shapes=handle.params,
         attention_kernel=attention_kernel_serves(handle, getattr(args, "kv_cache_dtype", "auto")),
-        long_prefill=(getattr(args, "long_prefill_from", 0) or 0) > 0)
+        long_prefill=0 < long_from < max_model_len)
 
 
 def attention_kernel_serves(handle: Any, kv_cache_dtype: str | None) -> bool:
