@@ -99,7 +99,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--long-prefill-from", type=int, default=d.long_prefill_from, metavar="TOKENS",
                    help="a prompt's chunk past this prefix, alone in its step, attends in naive form "
                         "(expanded K/V, cuDNN flash attention): faster long prompts, two more programs "
-                        "(0 = off)")
+                        "(default %(default)s; 0 = off)")
     p.add_argument("--max-pending", type=int, default=None,
                    help="requests in flight before new ones get 429 (default: 4 x --max-num-seqs)")
     p.add_argument("--no-warmup", "--enforce-eager", dest="no_warmup", action="store_true",
