@@ -21,6 +21,8 @@ before the first load (seconds per compiled
 shape in the JSON's `warmup`), and the 64- and max-batch-request loads must compile nothing after it (the
 run exits non-zero if one did; any compile during a load is in its row). Greedy decoding, EOS off.
 Prints a table last and writes JSON (--out). --tiny runs the same code on CPU with a tiny config.
+On an 80 GB card the 4K-context b=256 cases need `XLA_PYTHON_CLIENT_MEM_FRACTION=0.9`: at JAX's default
+0.75 the bare b=256 step ran out of memory on an H100 (2026-12-07; 50 GB of slice weights).
 """
 
 from __future__ import annotations
