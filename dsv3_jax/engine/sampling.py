@@ -146,20 +146,11 @@ def _check_shapes(logits: jax.Array, params: SamplingParams) -> None:
 
 def _filtered_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
     """Temperature-scaled logits with every token outside the top-k / top-p set at -inf, vocab order."""
+    batch, vocab = logits.shape
     temperature = params.temperature.astype(jnp.float32)[:, None]
     # Greedy rows are handled by the caller; any positive divisor keeps their arithmetic finite.
     scaled = logits.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1.0)
-    # The top-k / top-p cut sorts the whole vocabulary of every row, the largest sampling cost of a GPU
-    # step (RESULTS.md, 2026-12-07: sampled MTP steps at 32 rows). A row with top_k <= 0 and top_p >= 1
-    # keeps every token, so a batch where no row cuts skips the sort: a runtime branch (both sides are
-    # compiled, one runs), the same values either way.
-    cuts = jnp.any((params.top_k > 0) | (params.top_p < 1.0))
-    return jax.lax.cond(cuts, _top_k_top_p, lambda s, _: s, scaled, params)
 
-
-def _top_k_top_p(scaled: jax.Array, params: SamplingParams) -> jax.Array:
-    """`scaled` [B, V] with every token outside its row's top-k / top-p set at -inf (one sort per row)."""
-    batch, vocab = scaled.shape
     order = jnp.argsort(-scaled, axis=-1)  # stable: ties keep the lower id first, like argmax
     sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
     rank = jnp.arange(vocab)[None, :]
