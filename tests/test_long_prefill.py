@@ -155,6 +155,8 @@ def test_engine_routes_a_lone_long_chunk_to_the_naive_path_with_the_same_tokens(
     assert not any(k.long_prefill for k in keys0)
     assert sum(k.long_prefill for k in keys1) == 4  # the chunks at 32, 48, 64 and 80
     assert {k for k in keys1 if k.long_prefill} <= set(eng.step_keys())  # warmup compiles what runs
+    # One program for the path, the full mode, though this request is greedy.
+    assert [k.full for k in eng.step_keys() if k.long_prefill] == [True]
     assert long[0].output == plain[0].output
     for a, b in zip(long[0].output_logprobs, plain[0].output_logprobs, strict=True):
         assert a.logprob == pytest.approx(b.logprob, abs=1e-4)

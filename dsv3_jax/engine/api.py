@@ -64,9 +64,10 @@ class EngineConfig:
     # A step that holds only one sequence's prefill chunk, starting at a prefix of at least this many tokens,
     # attends in naive form (model/long_prefill.py: the prefix's latents expanded to per-head K/V, flash
     # attention): 3.4x fewer attention FLOPs than the absorbed form, the prefill path for long prompts.
-    # Only chunks that fill the step shape a whole `chunk_size` chunk picks take it: two more programs
-    # (greedy, full). On an H100 a 128K prompt's TTFT was 9.8 s with it (2026-12-07), 53% of the naive-form
-    # compute floor; 26.7 s without it (2026-12-05, absorbed). 0 = off (`serve --long-prefill-from 0`).
+    # Only chunks that fill the step shape a whole `chunk_size` chunk picks take it: one more program
+    # (always the full mode). On an H100 a 128K prompt's TTFT was 9.8 s with it (2026-12-07), 53% of the
+    # naive-form compute floor; 26.7 s without it (2026-12-05, absorbed). 0 = off
+    # (`serve --long-prefill-from 0`).
     # The pool planner reserves its transient K/V block (long_prefill.transient_bytes: 5.2 GB at 128 heads
     # and 4K-token steps, 0.5 GB at 16 heads and 2K). Engines whose sequences cannot reach the prefix
     # (pool or context under it) compile nothing for it.

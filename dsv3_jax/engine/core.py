@@ -257,10 +257,10 @@ class Engine:
         keys = [step.StepKey(n * d, s * d, self.width, c.spec_k, m != "greedy",
                              self.mask_words if m == "masked" else 0)
                 for n, s in pairs for m in ("greedy", "full", "masked") if m in modes]
-        if self.long_prefill is not None and self.long_prefill[1] in pairs:
-            n, s = self.long_prefill[1]
-            keys += [step.StepKey(n, s, self.width, c.spec_k, m != "greedy", 0, True)
-                     for m in ("greedy", "full") if m in modes]
+        unmasked = {"greedy", "full"} & set(modes)
+        if self.long_prefill is not None and self.long_prefill[1] in pairs and unmasked:
+            n, s = self.long_prefill[1]  # one program: long-prefill steps always run full (step.build)
+            keys.append(step.StepKey(n, s, self.width, c.spec_k, True, 0, True))
         return keys
 
     def warmup(self, max_rows: int | None = None, max_tokens: int | None = None,

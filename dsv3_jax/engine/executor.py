@@ -234,11 +234,25 @@ class DeviceExecutor:
             rep = self._replicated()
             ints = jax.ShapeDtypeStruct(ints.shape, ints.dtype, sharding=rep)
             floats = jax.ShapeDtypeStruct(floats.shape, floats.dtype, sharding=rep)
-        fn = jax.jit(step.make_step(self.handle.model, key), donate_argnums=(1, 2))
+        fn = jax.jit(self._step_fn(key), donate_argnums=(1, 2))
         # Programs share kernels (greedy and full twins hold the same ones): each Mosaic GPU kernel is
         # lowered once per process (pallas_kernels/lowering_memo.py), the serial part of a cold warmup.
         with self.handle.mesh_context(), lowering_memo.memoized_lowering():
             return fn.lower(self.handle.params, self.cache, self.state, ints, floats)
+
+    def _step_fn(self, key: step.StepKey):
+        """The step function of `key`, its returned per-slot state pinned to the sharding it came in with
+        (replicated): left to propagation, a program may hand it back split over `tensor` (the long-prefill
+        program did), and the next program, compiled for the replicated input, would refuse it."""
+        inner = step.make_step(self.handle.model, key)
+        if self.handle.mesh is None:
+            return inner
+        rep = self._replicated()
+
+        def pinned(params, cache, state, ints, floats):
+            out_ints, out_floats, cache, state = inner(params, cache, state, ints, floats)
+            return out_ints, out_floats, cache, jax.lax.with_sharding_constraint(state, rep)
+        return pinned
 
     def _compile_lowered(self, lowered):
         opts = dict(self.compiler_options)

@@ -11,7 +11,8 @@ nothing and are routed to no expert. Attention runs with one token per kernel ro
 128 heads that is what the MLA kernel's 64-row tiles did for a chunk anyway.
 A step that holds only one sequence's prefill chunk past `EngineConfig.long_prefill_from` is keyed
 `long_prefill`: the same layout, but attention runs in naive form over the pool (model/long_prefill.py,
-`PageMeta.long_prefill`), the faster algorithm at a long prefix.
+`PageMeta.long_prefill`), the faster algorithm at a long prefix. It always runs in the full mode (one
+program for the path, not a greedy/full pair).
 
 Step shapes are a fixed, small set (`StepShapes`), because one shape of the full-width model costs ~26 s
 of GPU compile: decode capacities (S rows of spec_k + 1 tokens) for a few row counts, and mixed/prefill
@@ -260,7 +261,7 @@ def build(rows: list[RowPlan], *, spec_k: int, shapes: StepShapes, width: int, l
     width a constrained row needs (ceil(V/32)); the bitmask field exists only when a sampling row is
     constrained, all ones (every token allowed) until the engine fills the constrained rows'.
     `long_prefill` (from, shape): a step of one row, a prefill chunk starting at position >= from whose
-    tokens pick `shape`, is keyed `long_prefill` (naive-form attention; one batch shard only)."""
+    tokens pick `shape`, is keyed `long_prefill` (naive-form attention; one batch shard only; full mode)."""
     per_tok = [sum(r.n for r in rows if r.shard == s) for s in range(num_shards)]
     per_row = [sum(1 for r in rows if r.shard == s) for s in range(num_shards)]
     n_seg, s_seg = shapes.pick(max(max(per_tok), 1), max(max(per_row), 1))
@@ -272,7 +273,9 @@ def build(rows: list[RowPlan], *, spec_k: int, shapes: StepShapes, width: int, l
     long = (long_prefill is not None and num_shards == 1 and len(rows) == 1 and not masked
             and rows[0].ndraft == 0 and rows[0].start >= long_prefill[0]
             and (n_seg, s_seg) == long_prefill[1])
-    key = StepKey(n_seg * num_shards, s_seg * num_shards, width, spec_k, bool(full), masked, long)
+    # A long-prefill step is always the full program (a superset: a greedy row's argmax is the same), so
+    # the path costs one program, not a greedy/full pair: ~20 s of GPU compile each (2026-12-07).
+    key = StepKey(n_seg * num_shards, s_seg * num_shards, width, spec_k, bool(full or long), masked, long)
     n, s, j = key.tokens, key.rows, spec_k + 1
     ints = np.zeros(packed_size(int_fields(key)), np.int32)
     floats = np.zeros(packed_size(float_fields(key)), np.float32)

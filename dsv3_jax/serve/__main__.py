@@ -98,7 +98,7 @@ def _parser() -> argparse.ArgumentParser:
                         "prompt on an H100 (benchmarks/RESULTS.md)")
     g.add_argument("--long-prefill-from", type=int, default=d.long_prefill_from, metavar="TOKENS",
                    help="a prompt's chunk past this prefix, alone in its step, attends in naive form "
-                        "(expanded K/V, cuDNN flash attention): faster long prompts, two more programs "
+                        "(expanded K/V, cuDNN flash attention): faster long prompts, one more program "
                         "(default %(default)s; 0 = off)")
     p.add_argument("--max-pending", type=int, default=None,
                    help="requests in flight before new ones get 429 (default: 4 x --max-num-seqs)")
