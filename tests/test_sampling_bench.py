@@ -11,6 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import sampling_bench  # noqa: E402
 
+from dsv3_jax.engine import sampling  # noqa: E402
 from dsv3_jax.engine.sampling import SamplingParams  # noqa: E402
 
 
@@ -35,3 +36,12 @@ def test_order_keys_sort_as_the_floats():
     x = jnp.asarray([-jnp.inf, -3.5, -1e-30, 0.0, 1e-30, 2.0, 7.25, jnp.inf], jnp.float32)
     keys = np.asarray(sampling_bench._order_keys(x)).astype(np.int64)
     assert (np.diff(keys) > 0).all()
+    zeros = np.asarray(sampling_bench._order_keys(jnp.asarray([-0.0, 0.0], jnp.float32)))
+    assert zeros[0] == zeros[1]  # equal floats, one key (ties then go by token id, as in the sort)
+
+
+def test_the_sort_peer_is_the_products_filter():
+    """The bench's sort is what the product's filter keeps, value for value, on the timed cases."""
+    for name, logits, params in sampling_bench.cases(4, 3000, 7):
+        np.testing.assert_array_equal(np.asarray(sampling_bench.filter_by_sort(logits, params)),
+                                      np.asarray(sampling._filtered_logits(logits, params)), err_msg=name)
