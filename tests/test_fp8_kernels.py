@@ -253,8 +253,9 @@ def test_linears_equal_the_gemms_on_quantize_acts_operands():
                                   fp8_gemm(xq, xs, wq, ws, out_dtype=jnp.float32, interpret=True))
     wq3, ws3 = quantize_weight(_rand(13, (2, 128, 256), 0.05))
     gs = jnp.array([40, 20], jnp.int32)
-    np.testing.assert_array_equal(fp8_grouped_linear(x, wq3, ws3, gs, out_dtype=jnp.float32, interpret=True),
-                                  fp8_grouped_gemm(xq, xs, wq3, ws3, gs, out_dtype=jnp.float32, interpret=True))
+    got = fp8_grouped_linear(x, wq3, ws3, gs, out_dtype=jnp.float32, interpret=True)
+    want = fp8_grouped_gemm(xq, xs, wq3, ws3, gs, out_dtype=jnp.float32, interpret=True)
+    np.testing.assert_array_equal(got, want)
     with pytest.raises(ValueError, match="K mismatch"):
         fp8_linear(x[:, :128], wq, ws, interpret=True)
 
