@@ -216,8 +216,7 @@ def linear(results: list, side: str, rows=(1, 64), experimental: bool = False) -
     """A whole FP8 linear from bf16 activations, as the model runs it: the activation quantization in the
     same program as the GEMM, so XLA may fuse the padding and scale layout into the quantization (the
     `dense` rows time the GEMM alone, from pre-quantized inputs, where that glue is separate kernels).
-    Ours: `fp8_linear` (the default routing: quantized straight into the kernel's layout), the same from
-    `quantize_act` with the layout as separate glue (the path before 2026-12-07), the weight-only dequantized dot as plain XLA (`weight_dequant_linear`,
+    Ours: `fp8_linear` (the default routing), the weight-only dequantized dot as plain XLA (`weight_dequant_linear`,
     Triton fusion and cuBLAS) and, with `experimental`, quantize + swap-AB. Peers: torch's fp8 rowwise linear
     (row amax, cast, `_scaled_mm` with per-row scales: coarser than our 1x128 blocks) and the bf16 GEMM
     of a BF16 checkpoint (`x @ w.T`, cuBLAS)."""
@@ -235,10 +234,7 @@ def linear(results: list, side: str, rows=(1, 64), experimental: bool = False) -
                 ref = jax.jit(fp8_linear_reference)(*args)
                 few = experimental and m <= SWAP_MAX_ROWS
                 swap = (lambda a, w, s: fp8_gemm_swap_ab(*quantize_act(a), w, s)) if few else None
-                # The quantization as it ran before 2026-12-07: quantize_act, then fp8_gemm pads and transposes.
-                first = (lambda a, w, s: fp8_gemm(*quantize_act(a), w, s, out_dtype=a.dtype))
                 for who, f, opts in (("pallas fp8_linear (default)", fp8_linear, None),
-                                     ("pallas quantize_act, then fp8_gemm (separate layout glue)", first, None),
                                      ("pallas quantize + swap-AB", swap, None),
                                      ("xla weight-dequant dot (Triton fusion)", weight_dequant_linear, None),
                                      ("xla weight-dequant dot (cuBLAS)", weight_dequant_linear, CUBLAS)):

@@ -30,7 +30,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.fp8_quant import BLOCK, FP8_DTYPE, num_blocks, quantize_act_transposed
+from pallas_kernels.fp8_quant import BLOCK, FP8_DTYPE, num_blocks, quantize_act
 from pallas_kernels.group_tiles import (
     GROUP,
     HI,
@@ -349,6 +349,7 @@ def _check_inputs(x_fp8, x_scale, w_fp8, w_scale, group_sizes, *, grouped: bool 
     check_group_sizes(group_sizes, e)
 
 
+@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))
 def fp8_grouped_gemm(
     x_fp8: jax.Array,
     x_scale: jax.Array,
@@ -377,60 +378,37 @@ def fp8_grouped_gemm(
       ``[M, N]`` in ``out_dtype``.
     """
     _check_inputs(x_fp8, x_scale, w_fp8, w_scale, group_sizes)
-    return _grouped(x_fp8, x_scale, w_fp8, w_scale, group_sizes, out_dtype=jnp.dtype(out_dtype),
-                    config=config, interpret=resolve_interpret(interpret))
-
-
-@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))
-def _grouped(x, x_scale, w_fp8, w_scale, group_sizes, *, out_dtype, config, interpret):
-    """fp8_grouped_gemm's body; ``x_scale`` None: ``x`` is a float activation, quantized here."""
-    m, e = x.shape[0], w_fp8.shape[0]
+    m, e = x_fp8.shape[0], w_fp8.shape[0]
     if 0 in (m, e, *w_fp8.shape[1:]):  # no rows, no groups, no columns or an empty sum: all zeros
         return jnp.zeros((m, w_fp8.shape[1]), out_dtype)
-    cfg = config or default_config(m, e)
 
     def row_tiles(padded_rows: int, tile_m: int):
         meta, _ = tile_metadata(group_sizes, padded_rows, tile_m)
         # Padding rows (padded_rows > m) belong to the zero tail: the group sizes sum to at most m.
         return meta, tile_counts(meta, e)
 
-    return _launch(*_operands(x, x_scale, cfg), m, w_fp8, w_scale, row_tiles, out_dtype=out_dtype, cfg=cfg,
-                   interpret=interpret)
+    return _launch(x_fp8, x_scale, w_fp8, w_scale, row_tiles, out_dtype=jnp.dtype(out_dtype),
+                   cfg=config or default_config(m, e), interpret=resolve_interpret(interpret))
 
 
-def _operand_sizes(m: int, k: int, cfg: Fp8GemmConfig) -> tuple[int, int, int]:
-    """(rows, scale rows, K) of the kernel's activation operands for ``m x k``. Only odd shapes pad
-    (DeepSeek's are all multiples of 128): K to a whole scale block; rows to whole 8-row TMA tiles and at
-    least one row tile (``padded_rows``; a partial row tile at the end reads zeros past it); the
-    scales' rows to whole row tiles."""
-    mp = padded_rows(m, cfg.tile_m)
-    return mp, round_up(mp, cfg.tile_m), round_up(k, _BK)
-
-
-def _operands(x: jax.Array, x_scale: jax.Array | None, cfg: Fp8GemmConfig) -> tuple[jax.Array, jax.Array]:
-    """The kernel's activation operands: e4m3 ``[rows, K]`` and the scales transposed to ``[Kb, scale
-    rows]``, so one TMA copy brings a K block's scales for a whole row tile (``_operand_sizes``). From a
-    float ``x`` (``x_scale`` None) they are quantized straight into that layout
-    (``fp8_quant.quantize_act_transposed``: the same values as quantizing first, in two XLA passes where
-    quantize-then-lay-out took four; those launches were 3.5 us of an 11.7-us linear at M = 1 on an H100,
-    2026-12-07); from ``x_fp8`` and its ``[M, Kb]`` scales, padded and transposed."""
-    mp, ms, kp = _operand_sizes(*x.shape, cfg)
-    if x_scale is None:
-        return quantize_act_transposed(x, rows=mp, scale_rows=ms, block=BLOCK)
-    return pad_axis(pad_axis(x, 1, kp), 0, mp), pad_axis(x_scale.astype(jnp.float32).T, 1, ms)
-
-
-def _launch(x, xs, m: int, w_fp8, w_scale, row_tiles, *, out_dtype, cfg: Fp8GemmConfig, interpret: bool):
-    """Pad the weights and run the kernel on the activation operands ``x [rows, K]``, ``xs [Kb, scale
-    rows]`` laid out by ``_operands`` (``m`` real rows); ``row_tiles(rows, tile_m)`` gives the row tiles'
-    ``(meta, counts)`` (``group_tiles.tile_metadata`` / ``tile_counts``)."""
-    mp, kp = x.shape
+def _launch(x_fp8, x_scale, w_fp8, w_scale, row_tiles, *, out_dtype, cfg: Fp8GemmConfig, interpret: bool):
+    """Pad, lay out the scales, and run the kernel; ``row_tiles(padded_rows, tile_m)`` gives the row
+    tiles' ``(meta, counts)`` (``group_tiles.tile_metadata`` / ``tile_counts``)."""
+    m, k = x_fp8.shape
     n = w_fp8.shape[1]
-    # N pads to a whole tile only for odd shapes; padding is zeros, which adds nothing to the products.
-    np_ = round_up(n, cfg.tile_n * cfg.cluster_n)
+    if m == 0:
+        return jnp.zeros((0, n), out_dtype)
+    # Pad only odd shapes (DeepSeek's are all multiples of 128): K to a whole scale block, N to a
+    # whole tile, M to whole 8-row TMA tiles and at least one row tile (``padded_rows``; a partial row
+    # tile at the end reads zeros past it). Padding is zeros, which adds nothing to the products.
+    kp, np_ = round_up(k, _BK), round_up(n, cfg.tile_n * cfg.cluster_n)
+    mp = padded_rows(m, cfg.tile_m)
+    x = pad_axis(pad_axis(x_fp8, 1, kp), 0, mp)
     w = pad_axis(w_fp8, 1, np_) if np_ != n else w_fp8
     w = pad_axis(w, 2, kp)
     ws = pad_axis(w_scale.astype(jnp.float32), 1, np_ // _SCALE_N)
+    # Scales transposed to [Kb, M] so one TMA copy brings a K block's scales for a whole row tile.
+    xs = pad_axis(x_scale.astype(jnp.float32).T, 1, round_up(mp, cfg.tile_m))
     meta, counts = row_tiles(mp, cfg.tile_m)
     if (kp // _BK) % cfg.k_splits:
         raise ValueError(f"k_splits={cfg.k_splits} does not divide K={kp} into whole {_BK}-wide blocks")
@@ -463,6 +441,7 @@ def check_dense_inputs(x_fp8: jax.Array, x_scale: jax.Array, w_fp8: jax.Array, w
     _check_inputs(x_fp8, x_scale, w_fp8[None], w_scale[None], jnp.zeros((1,), jnp.int32), grouped=False)
 
 
+@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))
 def fp8_gemm(
     x_fp8: jax.Array,
     x_scale: jax.Array,
@@ -476,31 +455,18 @@ def fp8_gemm(
     """Dense FP8 GEMM ``x [M, K] @ w [N, K].T`` with block scales: the grouped kernel with one group,
     its row tiles computed on the host (``group_tiles.dense_tile_metadata``)."""
     check_dense_inputs(x_fp8, x_scale, w_fp8, w_scale)
-    return _dense(x_fp8, x_scale, w_fp8, w_scale, out_dtype=jnp.dtype(out_dtype), config=config,
-                  interpret=resolve_interpret(interpret))
-
-
-@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))
-def _dense(x, x_scale, w_fp8, w_scale, *, out_dtype, config, interpret):
-    """fp8_gemm's body; ``x_scale`` None: ``x`` is a float activation, quantized here."""
-    m = x.shape[0]
+    m = x_fp8.shape[0]
     if 0 in (m, *w_fp8.shape):  # no rows, no columns or an empty sum over K: all zeros
         return jnp.zeros((m, w_fp8.shape[0]), out_dtype)
-    cfg = config or dense_config(m, w_fp8.shape[0], w_fp8.shape[1])
 
     def row_tiles(padded_rows: int, tile_m: int):
         del padded_rows  # rows past m are padding, sliced off: no zero tail needed
         meta, counts = dense_tile_metadata(m, tile_m)
         return jnp.asarray(meta), jnp.asarray(counts)
 
-    return _launch(*_operands(x, x_scale, cfg), m, w_fp8[None], w_scale[None], row_tiles, out_dtype=out_dtype,
-                   cfg=cfg, interpret=interpret)
-
-
-def _as_quantized(x: jax.Array) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
-    """The shapes quantize_act would give a float ``x [M, K]``: what the input checks read."""
-    m, k = x.shape
-    return jax.ShapeDtypeStruct((m, k), FP8_DTYPE), jax.ShapeDtypeStruct((m, num_blocks(k)), jnp.float32)
+    return _launch(x_fp8, x_scale, w_fp8[None], w_scale[None], row_tiles, out_dtype=jnp.dtype(out_dtype),
+                   cfg=config or dense_config(m, w_fp8.shape[0], w_fp8.shape[1]),
+                   interpret=resolve_interpret(interpret))
 
 
 def fp8_linear(
@@ -511,13 +477,10 @@ def fp8_linear(
     out_dtype: jnp.dtype | None = None,
     interpret: bool | None = None,
 ) -> jax.Array:
-    """A linear layer of an FP8 checkpoint: ``x [..., K]`` quantized (1x128 groups, straight into the
-    kernel's layout), then the dense GEMM of :func:`fp8_gemm`."""
+    """A linear layer of an FP8 checkpoint: quantize ``x [..., K]`` (1x128 groups), then :func:`fp8_gemm`."""
     lead, k = x.shape[:-1], x.shape[-1]
-    x2 = x.reshape(-1, k)
-    check_dense_inputs(*_as_quantized(x2), w_fp8, w_scale)
-    out = _dense(x2, None, w_fp8, w_scale, out_dtype=jnp.dtype(out_dtype or x.dtype), config=None,
-                 interpret=resolve_interpret(interpret))
+    xq, xs = quantize_act(x.reshape(-1, k), block=BLOCK)
+    out = fp8_gemm(xq, xs, w_fp8, w_scale, out_dtype=out_dtype or x.dtype, interpret=interpret)
     return out.reshape(*lead, w_fp8.shape[0])
 
 
@@ -531,8 +494,9 @@ def fp8_grouped_linear(
     config: Fp8GemmConfig | None = None,
     interpret: bool | None = None,
 ) -> jax.Array:
-    """Experts' GEMM from bf16 rows sorted by expert: ``x [M, K]`` quantized (straight into the kernel's
-    layout), then the grouped GEMM of :func:`fp8_grouped_gemm`."""
-    _check_inputs(*_as_quantized(x), w_fp8, w_scale, group_sizes)
-    return _grouped(x, None, w_fp8, w_scale, group_sizes, out_dtype=jnp.dtype(out_dtype or x.dtype),
-                    config=config, interpret=resolve_interpret(interpret))
+    """Experts' GEMM from bf16 rows sorted by expert: quantize ``x [M, K]``, then :func:`fp8_grouped_gemm`."""
+    xq, xs = quantize_act(x, block=BLOCK)
+    return fp8_grouped_gemm(
+        xq, xs, w_fp8, w_scale, group_sizes, out_dtype=out_dtype or x.dtype, config=config,
+        interpret=interpret,
+    )

@@ -63,34 +63,9 @@ def quantize_act(
     kb = num_blocks(k, block)
     xf = _pad_last(x.astype(jnp.float32), -1, block).reshape(*x.shape[:-1], kb, block)
     scale = _scale_from_amax(jnp.max(jnp.abs(xf), axis=-1), ue8m0)
-    q = _quantize_blocks(xf, scale)
+    q = jnp.clip(xf / scale[..., None], -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
     q = q.reshape(*x.shape[:-1], kb * block)[..., :k]
     return q, scale
-
-
-def _quantize_blocks(blocks: jax.Array, scale: jax.Array) -> jax.Array:
-    """fp32 ``blocks [..., Kb, block]`` divided by their ``scale [..., Kb]``, saturated, in e4m3."""
-    return jnp.clip(blocks / scale[..., None], -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
-
-
-def quantize_act_transposed(
-    x: jax.Array, *, rows: int, scale_rows: int, block: int = BLOCK
-) -> tuple[jax.Array, jax.Array]:
-    """:func:`quantize_act` of ``x [M, K]`` produced in a GEMM kernel's operand layout: ``x_fp8 [rows,
-    Kb * block]`` (zero rows and columns past x) and the scales transposed, ``[Kb, scale_rows]`` (rows past
-    M: the scale of a zero block), with ``M <= rows <= scale_rows``. The same values as quantize_act, but
-    the per-block maxima are taken straight into the transposed, padded layout, so XLA runs one reduction
-    and one elementwise pass instead of also padding and transposing the results in kernels of their own."""
-    if x.ndim != 2 or not x.shape[0] <= rows <= scale_rows:
-        raise ValueError(f"quantize_act_transposed: x must be [M, K] with M <= rows ({rows}) <= scale_rows "
-                         f"({scale_rows}), got shape {x.shape}")
-    m, k = x.shape
-    kb = num_blocks(k, block)
-    xf = jnp.pad(x.astype(jnp.float32), ((0, scale_rows - m), (0, kb * block - k)))
-    xf = xf.reshape(scale_rows, kb, block)
-    scale_t = _scale_from_amax(jnp.max(jnp.abs(xf.transpose(1, 0, 2)), axis=-1), ue8m0=False)
-    q = _quantize_blocks(xf[:rows], scale_t.T[:rows])
-    return q.reshape(rows, kb * block), scale_t
 
 
 def quantize_weight(

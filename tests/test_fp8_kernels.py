@@ -225,41 +225,6 @@ def test_dense_gemm_and_linears_match_reference():
     _assert_close(out, fp8_grouped_linear_reference(x, wq3, ws3, gs, out_dtype=jnp.float32))
 
 
-@pytest.mark.parametrize("m,k,rows,scale_rows", [(1, 7168, 64, 64), (65, 256, 72, 128), (8, 200, 8, 64)])
-def test_quantizing_into_the_kernel_layout_gives_quantize_acts_values(m, k, rows, scale_rows):
-    """fp8_quant.quantize_act_transposed is quantize_act padded and transposed, bit for bit (odd K too)."""
-    from pallas_kernels.fp8_quant import quantize_act_transposed
-
-    x = _rand(m + k, (m, k), 3.0).astype(jnp.bfloat16).at[0, :128].set(0.0)  # one all-zero block
-    q, s = quantize_act(x)
-    got_q, got_s = quantize_act_transposed(x, rows=rows, scale_rows=scale_rows)
-    kp = -(-k // 128) * 128
-    assert got_q.shape == (rows, kp) and got_s.shape == (kp // 128, scale_rows)
-    np.testing.assert_array_equal(np.asarray(got_q[:m, :k]).view(np.uint8), np.asarray(q).view(np.uint8))
-    assert not np.asarray(got_q[m:].astype(jnp.float32)).any() and not np.asarray(got_q[:, k:].astype(
-        jnp.float32)).any()
-    np.testing.assert_array_equal(np.asarray(got_s[:, :m]), np.asarray(s).T)
-    with pytest.raises(ValueError, match="rows"):
-        quantize_act_transposed(x, rows=m - 1 if m > 1 else 0, scale_rows=scale_rows)
-
-
-def test_linears_equal_the_gemms_on_quantize_acts_operands():
-    """fp8_linear / fp8_grouped_linear quantize in the kernel's layout; the kernel sees the same operands
-    as fp8_gemm / fp8_grouped_gemm after quantize_act, so the outputs are equal, not just close."""
-    x = _rand(11, (65, 256), 1.5).astype(jnp.bfloat16)
-    xq, xs = quantize_act(x)
-    wq, ws = quantize_weight(_rand(12, (128, 256), 0.05))
-    np.testing.assert_array_equal(fp8_linear(x, wq, ws, out_dtype=jnp.float32, interpret=True),
-                                  fp8_gemm(xq, xs, wq, ws, out_dtype=jnp.float32, interpret=True))
-    wq3, ws3 = quantize_weight(_rand(13, (2, 128, 256), 0.05))
-    gs = jnp.array([40, 20], jnp.int32)
-    got = fp8_grouped_linear(x, wq3, ws3, gs, out_dtype=jnp.float32, interpret=True)
-    want = fp8_grouped_gemm(xq, xs, wq3, ws3, gs, out_dtype=jnp.float32, interpret=True)
-    np.testing.assert_array_equal(got, want)
-    with pytest.raises(ValueError, match="K mismatch"):
-        fp8_linear(x[:, :128], wq, ws, interpret=True)
-
-
 def test_dense_gemm_validates_and_reference_is_dequantized_matmul():
     x = _rand(8, (4, 256))
     wq, ws = quantize_weight(_rand(9, (128, 256), 0.05))
