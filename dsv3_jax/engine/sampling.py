@@ -144,30 +144,79 @@ def _check_shapes(logits: jax.Array, params: SamplingParams) -> None:
             raise ValueError(f"params.{name} must have shape [{logits.shape[0]}] like logits, got {shape}")
 
 
+# Bisection steps over the uint32 key space: one per bit, so every search ends exactly.
+_KEY_BITS = 32
+
+
+def _order_keys(x: jax.Array) -> jax.Array:
+    """uint32 keys ordered as the float32 values (-inf lowest; NaN-free input; -0.0 and 0.0 one key)."""
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32) + 0.0, jnp.uint32)  # -0.0 + 0.0 is +0.0
+    negative = (bits >> 31) == 1
+    return jnp.where(negative, ~bits, bits | jnp.uint32(0x80000000))
+
+
+def _lowest_key_where(pred_above, batch: int) -> jax.Array:
+    """Per row, the smallest uint32 T with pred_above(T) true ([B] uint32), for a predicate that is monotone
+    in T and true at the top of the key space: a fixed number of halvings, no data-dependent control flow
+    (on the GPU a data-dependent loop or branch stops the host until the device catches up, which would
+    serialize the engine's dispatch-ahead). Unrolled for the same reason: no loop at all."""
+    def step(_, bounds):
+        lo, hi = bounds
+        mid = lo + (hi - lo) // 2
+        ok = pred_above(mid)
+        return jnp.where(ok, lo, mid + 1), jnp.where(ok, mid, hi)
+
+    lo = jnp.zeros((batch,), jnp.uint32)
+    hi = jnp.full((batch,), 0xFFFFFFFF, jnp.uint32)
+    return jax.lax.fori_loop(0, _KEY_BITS, step, (lo, hi), unroll=True)[1]
+
+
+def _first_ties(tied: jax.Array, allowed: jax.Array) -> jax.Array:
+    """Of the `tied` tokens [B, V], those whose place among them in token-id order is below `allowed` [B]."""
+    place = jnp.cumsum(tied.astype(jnp.int32), axis=-1) - tied.astype(jnp.int32)
+    return tied & (place < allowed[:, None])
+
+
 def _filtered_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
-    """Temperature-scaled logits with every token outside the top-k / top-p set at -inf, vocab order."""
+    """Temperature-scaled logits with every token outside the top-k / top-p set at -inf, vocab order.
+
+    The sets are those of a stable descending sort (ties to the lower token id; rank 0 always kept; top_p
+    over the top-k set renormalized), found without sorting the vocabulary, on order keys of the scaled
+    logits (`_order_keys`): a bisection finds the k-th largest key, and every key above it is kept with
+    the first of its tied tokens by id; a second finds the lowest key whose strictly-higher mass is below
+    top_p, and the last group kept is that key's tokens by id while their mass before stays below top_p.
+    Sums run in another order than a sorted prefix sum, so a token whose mass before is within float
+    rounding of top_p may fall on the other side. benchmarks/sampling_bench.py holds the sort it replaced
+    (faster on the GPU: RESULTS.md, 2026-12-07) and checks the sets equal."""
     batch, vocab = logits.shape
     temperature = params.temperature.astype(jnp.float32)[:, None]
     # Greedy rows are handled by the caller; any positive divisor keeps their arithmetic finite.
     scaled = logits.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1.0)
+    keys = _order_keys(scaled)
 
-    order = jnp.argsort(-scaled, axis=-1)  # stable: ties keep the lower id first, like argmax
-    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
-    rank = jnp.arange(vocab)[None, :]
+    # top-k: v_k, the k-th largest key, is the lowest T with fewer than k keys above it.
+    k = jnp.where(params.top_k > 0, jnp.minimum(params.top_k, vocab), vocab).astype(jnp.int32)
+    v_k = _lowest_key_where(lambda t: jnp.sum(keys > t[:, None], axis=-1) < k, batch)
+    above_k = keys > v_k[:, None]
+    in_k = above_k | _first_ties(keys == v_k[:, None], k - jnp.sum(above_k, axis=-1))
 
-    top_k = params.top_k.astype(jnp.int32)[:, None]
-    keep = (top_k <= 0) | (rank < top_k)
-
-    sorted_logits = jnp.where(keep, sorted_logits, -jnp.inf)
-    probs = jax.nn.softmax(sorted_logits, axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs  # probability of the strictly more likely tokens
-    top_p = params.top_p.astype(jnp.float32)[:, None]
-    # rank 0 is always kept; top_p >= 1 keeps everything even where the float cumsum reaches 1 early.
-    keep = keep & ((mass_before < top_p) | (top_p >= 1.0) | (rank == 0))
-
-    rows = jnp.arange(batch)[:, None]
-    keep_vocab = jnp.zeros((batch, vocab), dtype=bool).at[rows, order].set(keep)
-    return jnp.where(keep_vocab, scaled, -jnp.inf)
+    # top-p over the top-k set: probabilities renormalized there.
+    probs = jax.nn.softmax(jnp.where(in_k, scaled, -jnp.inf), axis=-1)
+    top_p = params.top_p.astype(jnp.float32)
+    def mass_above_below_top_p(t):
+        return jnp.sum(jnp.where(keys > t[:, None], probs, 0.0), axis=-1) < top_p
+    t_p = _lowest_key_where(mass_above_below_top_p, batch)
+    # The last group kept: the lowest key at or above t_p in the top-k set, its tied tokens by id.
+    last = jnp.min(jnp.where(in_k & (keys >= t_p[:, None]), keys, jnp.uint32(0xFFFFFFFF)), axis=-1)
+    above_last = in_k & (keys > last[:, None])
+    mass_above = jnp.sum(jnp.where(above_last, probs, 0.0), axis=-1)
+    tied = in_k & (keys == last[:, None])
+    p_last = jnp.max(jnp.where(tied, probs, 0.0), axis=-1)
+    place = jnp.cumsum(tied.astype(jnp.int32), axis=-1) - tied.astype(jnp.int32)
+    tied_kept = tied & ((mass_above[:, None] + place * p_last[:, None] < top_p[:, None]) | (place == 0))
+    # top_p >= 1 keeps the whole top-k set even where float sums reach 1 early.
+    keep = jnp.where((top_p >= 1.0)[:, None], in_k, in_k & (above_last | tied_kept))
+    return jnp.where(keep, scaled, -jnp.inf)
 
 
 def probs_after_filtering(logits: jax.Array, params: SamplingParams) -> jax.Array:
