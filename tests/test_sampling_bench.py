@@ -30,6 +30,12 @@ def test_bisection_keeps_the_sorts_sets(seed):
     got = sampling_bench.check(logits, params)
     assert got["rows_differing"] == 0, got
     assert 1.0 < got["kept_mean"] < 400  # the cuts did cut, and not to one token everywhere
+    # top_p keeping the whole top-k set: the lowest kept key is the lowest of the set (nothing below it).
+    params = SamplingParams.make(8, temperature=[2.0, 1.0, 0.6, 2.0, 5.0, 1.0, 3.0, 2.0],
+                                 top_p=[0.999, 0.9999, 0.999, 0.5, 0.99, 0.9, 0.999, 0.95],
+                                 top_k=[5, 50, 2, 7, 3, 1, 60, 9])
+    got = sampling_bench.check(logits, params)
+    assert got["rows_differing"] == 0, got
 
 
 def test_order_keys_sort_as_the_floats():

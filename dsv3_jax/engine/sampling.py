@@ -144,8 +144,10 @@ def _check_shapes(logits: jax.Array, params: SamplingParams) -> None:
             raise ValueError(f"params.{name} must have shape [{logits.shape[0]}] like logits, got {shape}")
 
 
-# Bisection steps over the uint32 key space: one per bit, so every search ends exactly.
-_KEY_BITS = 32
+# Radix selection over the uint32 order keys: each pass decides 4 bits (a 16-bin histogram), 8 passes.
+_DIGIT_BITS = 4
+_BINS = 1 << _DIGIT_BITS
+_SHIFTS = tuple(range(32 - _DIGIT_BITS, -1, -_DIGIT_BITS))  # 28, 24, ..., 0: the top digit first
 
 
 def _order_keys(x: jax.Array) -> jax.Array:
@@ -155,20 +157,51 @@ def _order_keys(x: jax.Array) -> jax.Array:
     return jnp.where(negative, ~bits, bits | jnp.uint32(0x80000000))
 
 
-def _lowest_key_where(pred_above, batch: int) -> jax.Array:
-    """Per row, the smallest uint32 T with pred_above(T) true ([B] uint32), for a predicate that is monotone
-    in T and true at the top of the key space: a fixed number of halvings, no data-dependent control flow
-    (on the GPU a data-dependent loop or branch stops the host until the device catches up, which would
-    serialize the engine's dispatch-ahead). Unrolled for the same reason: no loop at all."""
-    def step(_, bounds):
-        lo, hi = bounds
-        mid = lo + (hi - lo) // 2
-        ok = pred_above(mid)
-        return jnp.where(ok, lo, mid + 1), jnp.where(ok, mid, hi)
+def _digit_histogram(keys: jax.Array, prefix: jax.Array, shift: int, weights: jax.Array) -> jax.Array:
+    """Per row, `weights` [B, V] summed over the keys whose bits above `shift + 4` equal `prefix`'s, binned
+    by their 4-bit digit at `shift`: [B, 16]. One pass over the row (a reduction over V of 16 bins)."""
+    digit = (keys >> shift) & (_BINS - 1)
+    w = weights
+    if shift + _DIGIT_BITS < 32:
+        high = shift + _DIGIT_BITS
+        w = jnp.where((keys >> high) == (prefix[:, None] >> high), w, jnp.zeros_like(w))
+    bins = digit[..., None] == jnp.arange(_BINS, dtype=jnp.uint32)
+    return jnp.sum(jnp.where(bins, w[..., None], jnp.zeros_like(w[..., None])), axis=1)
 
-    lo = jnp.zeros((batch,), jnp.uint32)
-    hi = jnp.full((batch,), 0xFFFFFFFF, jnp.uint32)
-    return jax.lax.fori_loop(0, _KEY_BITS, step, (lo, hi), unroll=True)[1]
+
+def _above(hist: jax.Array) -> jax.Array:
+    """[B, 16] -> for each bin, the sum over the higher bins."""
+    return jnp.cumsum(hist[:, ::-1], axis=1)[:, ::-1] - hist
+
+
+def _kth_largest_key(keys: jax.Array, k: jax.Array) -> jax.Array:
+    """Per row the k-th largest key (1 <= k <= V), digit by digit from the top: in each pass the digit
+    whose bin holds the k-th key of the current prefix's group; no loop, branch or sort."""
+    prefix = jnp.zeros(keys.shape[:1], jnp.uint32)
+    need = k
+    for shift in _SHIFTS:
+        hist = _digit_histogram(keys, prefix, shift, jnp.ones(keys.shape, jnp.int32))
+        above = _above(hist)
+        digit = jnp.argmax((above < need[:, None]) & (need[:, None] <= above + hist), axis=1)
+        need = need - jnp.take_along_axis(above, digit[:, None], axis=1)[:, 0]
+        prefix = prefix | (digit.astype(jnp.uint32) << shift)
+    return prefix
+
+
+def _lowest_key_with_mass_above_below(keys: jax.Array, probs: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Per row the smallest key L with the probability mass of the keys above L below top_p (> 0). Such
+    keys are an upper range, so in each pass the lowest digit whose highest key qualifies (the mass above
+    the group and above the digit's bin below top_p) holds L. L is a token's key unless the whole mass is
+    below top_p (then L lies under every token with mass, and the caller keeps them all, as it should): a
+    digit bin with no token between two tokens has the lower token's mass above it, which is >= top_p."""
+    prefix = jnp.zeros(keys.shape[:1], jnp.uint32)
+    mass_before = jnp.zeros(keys.shape[:1], jnp.float32)
+    for shift in _SHIFTS:
+        above = _above(_digit_histogram(keys, prefix, shift, probs))
+        digit = jnp.argmax(mass_before[:, None] + above < top_p[:, None], axis=1)
+        mass_before = mass_before + jnp.take_along_axis(above, digit[:, None], axis=1)[:, 0]
+        prefix = prefix | (digit.astype(jnp.uint32) << shift)
+    return prefix
 
 
 def _first_ties(tied: jax.Array, allowed: jax.Array) -> jax.Array:
@@ -182,9 +215,11 @@ def _filtered_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
 
     The sets are those of a stable descending sort (ties to the lower token id; rank 0 always kept; top_p
     over the top-k set renormalized), found without sorting the vocabulary, on order keys of the scaled
-    logits (`_order_keys`): a bisection finds the k-th largest key, and every key above it is kept with
-    the first of its tied tokens by id; a second finds the lowest key whose strictly-higher mass is below
-    top_p, and the last group kept is that key's tokens by id while their mass before stays below top_p.
+    logits (`_order_keys`) by radix selection (8 passes of 16-bin histograms each, no data-dependent
+    control flow: on the GPU a data-dependent loop or branch stops the host until the device catches up,
+    which would serialize the engine's dispatch-ahead): the k-th largest key, every key above it kept with
+    the first of its tied tokens by id; then the lowest key whose strictly-higher mass is below top_p, the
+    last group kept, its tokens by id while their mass before stays below top_p.
     Sums run in another order than a sorted prefix sum, so a token whose mass before is within float
     rounding of top_p may fall on the other side. benchmarks/sampling_bench.py holds the sort it replaced
     (faster on the GPU: RESULTS.md, 2026-12-07) and checks the sets equal."""
@@ -194,20 +229,16 @@ def _filtered_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
     scaled = logits.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1.0)
     keys = _order_keys(scaled)
 
-    # top-k: v_k, the k-th largest key, is the lowest T with fewer than k keys above it.
+    # top-k: every key above the k-th largest, and the first of its ties by token id.
     k = jnp.where(params.top_k > 0, jnp.minimum(params.top_k, vocab), vocab).astype(jnp.int32)
-    v_k = _lowest_key_where(lambda t: jnp.sum(keys > t[:, None], axis=-1) < k, batch)
+    v_k = _kth_largest_key(keys, k)
     above_k = keys > v_k[:, None]
     in_k = above_k | _first_ties(keys == v_k[:, None], k - jnp.sum(above_k, axis=-1))
 
-    # top-p over the top-k set: probabilities renormalized there.
+    # top-p over the top-k set: probabilities renormalized there; `last` is the lowest key kept.
     probs = jax.nn.softmax(jnp.where(in_k, scaled, -jnp.inf), axis=-1)
     top_p = params.top_p.astype(jnp.float32)
-    def mass_above_below_top_p(t):
-        return jnp.sum(jnp.where(keys > t[:, None], probs, 0.0), axis=-1) < top_p
-    t_p = _lowest_key_where(mass_above_below_top_p, batch)
-    # The last group kept: the lowest key at or above t_p in the top-k set, its tied tokens by id.
-    last = jnp.min(jnp.where(in_k & (keys >= t_p[:, None]), keys, jnp.uint32(0xFFFFFFFF)), axis=-1)
+    last = _lowest_key_with_mass_above_below(keys, probs, top_p)
     above_last = in_k & (keys > last[:, None])
     mass_above = jnp.sum(jnp.where(above_last, probs, 0.0), axis=-1)
     tied = in_k & (keys == last[:, None])
