@@ -1,4 +1,4 @@
-"""The product's sort-free top-k / top-p filter keeps a stable sort's sets exactly (sampling_bench.py)."""
+"""benchmarks/sampling_bench.py's sort-free filter keeps exactly the product's top-k / top-p sets (CPU)."""
 
 import sys
 from pathlib import Path
@@ -40,14 +40,14 @@ def test_bisection_keeps_the_sorts_sets(seed):
 
 def test_order_keys_sort_as_the_floats():
     x = jnp.asarray([-jnp.inf, -3.5, -1e-30, 0.0, 1e-30, 2.0, 7.25, jnp.inf], jnp.float32)
-    keys = np.asarray(sampling._order_keys(x)).astype(np.int64)
+    keys = np.asarray(sampling_bench._order_keys(x)).astype(np.int64)
     assert (np.diff(keys) > 0).all()
-    zeros = np.asarray(sampling._order_keys(jnp.asarray([-0.0, 0.0], jnp.float32)))
+    zeros = np.asarray(sampling_bench._order_keys(jnp.asarray([-0.0, 0.0], jnp.float32)))
     assert zeros[0] == zeros[1]  # equal floats, one key (ties then go by token id, as in the sort)
 
 
-def test_the_products_filter_keeps_the_sorts_values():
+def test_the_candidate_keeps_the_sorts_values():
     """Where the sets agree the kept values are the same scaled logits, value for value."""
     for name, logits, params in sampling_bench.cases(4, 3000, 7):
-        np.testing.assert_array_equal(np.asarray(sampling_bench.filter_by_sort(logits, params)),
+        np.testing.assert_array_equal(np.asarray(sampling_bench.filter_by_radix(logits, params)),
                                       np.asarray(sampling._filtered_logits(logits, params)), err_msg=name)

@@ -144,110 +144,30 @@ def _check_shapes(logits: jax.Array, params: SamplingParams) -> None:
             raise ValueError(f"params.{name} must have shape [{logits.shape[0]}] like logits, got {shape}")
 
 
-# Radix selection over the uint32 order keys: each pass decides 4 bits (a 16-bin histogram), 8 passes.
-_DIGIT_BITS = 4
-_BINS = 1 << _DIGIT_BITS
-_SHIFTS = tuple(range(32 - _DIGIT_BITS, -1, -_DIGIT_BITS))  # 28, 24, ..., 0: the top digit first
-
-
-def _order_keys(x: jax.Array) -> jax.Array:
-    """uint32 keys ordered as the float32 values (-inf lowest; NaN-free input; -0.0 and 0.0 one key)."""
-    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32) + 0.0, jnp.uint32)  # -0.0 + 0.0 is +0.0
-    negative = (bits >> 31) == 1
-    return jnp.where(negative, ~bits, bits | jnp.uint32(0x80000000))
-
-
-def _digit_histogram(keys: jax.Array, prefix: jax.Array, shift: int, weights: jax.Array) -> jax.Array:
-    """Per row, `weights` [B, V] summed over the keys whose bits above `shift + 4` equal `prefix`'s, binned
-    by their 4-bit digit at `shift`: [B, 16]. One pass over the row (a reduction over V of 16 bins)."""
-    digit = (keys >> shift) & (_BINS - 1)
-    w = weights
-    if shift + _DIGIT_BITS < 32:
-        high = shift + _DIGIT_BITS
-        w = jnp.where((keys >> high) == (prefix[:, None] >> high), w, jnp.zeros_like(w))
-    bins = digit[..., None] == jnp.arange(_BINS, dtype=jnp.uint32)
-    return jnp.sum(jnp.where(bins, w[..., None], jnp.zeros_like(w[..., None])), axis=1)
-
-
-def _above(hist: jax.Array) -> jax.Array:
-    """[B, 16] -> for each bin, the sum over the higher bins."""
-    return jnp.cumsum(hist[:, ::-1], axis=1)[:, ::-1] - hist
-
-
-def _kth_largest_key(keys: jax.Array, k: jax.Array) -> jax.Array:
-    """Per row the k-th largest key (1 <= k <= V), digit by digit from the top: in each pass the digit
-    whose bin holds the k-th key of the current prefix's group; no loop, branch or sort."""
-    prefix = jnp.zeros(keys.shape[:1], jnp.uint32)
-    need = k
-    for shift in _SHIFTS:
-        hist = _digit_histogram(keys, prefix, shift, jnp.ones(keys.shape, jnp.int32))
-        above = _above(hist)
-        digit = jnp.argmax((above < need[:, None]) & (need[:, None] <= above + hist), axis=1)
-        need = need - jnp.take_along_axis(above, digit[:, None], axis=1)[:, 0]
-        prefix = prefix | (digit.astype(jnp.uint32) << shift)
-    return prefix
-
-
-def _lowest_key_with_mass_above_below(keys: jax.Array, probs: jax.Array, top_p: jax.Array) -> jax.Array:
-    """Per row the smallest key L with the probability mass of the keys above L below top_p (> 0). Such
-    keys are an upper range, so in each pass the lowest digit whose highest key qualifies (the mass above
-    the group and above the digit's bin below top_p) holds L. L is a token's key unless the whole mass is
-    below top_p (then L lies under every token with mass, and the caller keeps them all, as it should): a
-    digit bin with no token between two tokens has the lower token's mass above it, which is >= top_p."""
-    prefix = jnp.zeros(keys.shape[:1], jnp.uint32)
-    mass_before = jnp.zeros(keys.shape[:1], jnp.float32)
-    for shift in _SHIFTS:
-        above = _above(_digit_histogram(keys, prefix, shift, probs))
-        digit = jnp.argmax(mass_before[:, None] + above < top_p[:, None], axis=1)
-        mass_before = mass_before + jnp.take_along_axis(above, digit[:, None], axis=1)[:, 0]
-        prefix = prefix | (digit.astype(jnp.uint32) << shift)
-    return prefix
-
-
-def _first_ties(tied: jax.Array, allowed: jax.Array) -> jax.Array:
-    """Of the `tied` tokens [B, V], those whose place among them in token-id order is below `allowed` [B]."""
-    place = jnp.cumsum(tied.astype(jnp.int32), axis=-1) - tied.astype(jnp.int32)
-    return tied & (place < allowed[:, None])
-
-
 def _filtered_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
-    """Temperature-scaled logits with every token outside the top-k / top-p set at -inf, vocab order.
-
-    The sets are those of a stable descending sort (ties to the lower token id; rank 0 always kept; top_p
-    over the top-k set renormalized), found without sorting the vocabulary, on order keys of the scaled
-    logits (`_order_keys`) by radix selection (8 passes of 16-bin histograms each, no data-dependent
-    control flow: on the GPU a data-dependent loop or branch stops the host until the device catches up,
-    which would serialize the engine's dispatch-ahead): the k-th largest key, every key above it kept with
-    the first of its tied tokens by id; then the lowest key whose strictly-higher mass is below top_p, the
-    last group kept, its tokens by id while their mass before stays below top_p.
-    Sums run in another order than a sorted prefix sum, so a token whose mass before is within float
-    rounding of top_p may fall on the other side. benchmarks/sampling_bench.py holds the sort it replaced
-    (faster on the GPU: RESULTS.md, 2026-12-07) and checks the sets equal."""
+    """Temperature-scaled logits with every token outside the top-k / top-p set at -inf, vocab order."""
     batch, vocab = logits.shape
     temperature = params.temperature.astype(jnp.float32)[:, None]
     # Greedy rows are handled by the caller; any positive divisor keeps their arithmetic finite.
     scaled = logits.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1.0)
-    keys = _order_keys(scaled)
 
-    # top-k: every key above the k-th largest, and the first of its ties by token id.
-    k = jnp.where(params.top_k > 0, jnp.minimum(params.top_k, vocab), vocab).astype(jnp.int32)
-    v_k = _kth_largest_key(keys, k)
-    above_k = keys > v_k[:, None]
-    in_k = above_k | _first_ties(keys == v_k[:, None], k - jnp.sum(above_k, axis=-1))
+    order = jnp.argsort(-scaled, axis=-1)  # stable: ties keep the lower id first, like argmax
+    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
+    rank = jnp.arange(vocab)[None, :]
 
-    # top-p over the top-k set: probabilities renormalized there; `last` is the lowest key kept.
-    probs = jax.nn.softmax(jnp.where(in_k, scaled, -jnp.inf), axis=-1)
-    top_p = params.top_p.astype(jnp.float32)
-    last = _lowest_key_with_mass_above_below(keys, probs, top_p)
-    above_last = in_k & (keys > last[:, None])
-    mass_above = jnp.sum(jnp.where(above_last, probs, 0.0), axis=-1)
-    tied = in_k & (keys == last[:, None])
-    p_last = jnp.max(jnp.where(tied, probs, 0.0), axis=-1)
-    place = jnp.cumsum(tied.astype(jnp.int32), axis=-1) - tied.astype(jnp.int32)
-    tied_kept = tied & ((mass_above[:, None] + place * p_last[:, None] < top_p[:, None]) | (place == 0))
-    # top_p >= 1 keeps the whole top-k set even where float sums reach 1 early.
-    keep = jnp.where((top_p >= 1.0)[:, None], in_k, in_k & (above_last | tied_kept))
-    return jnp.where(keep, scaled, -jnp.inf)
+    top_k = params.top_k.astype(jnp.int32)[:, None]
+    keep = (top_k <= 0) | (rank < top_k)
+
+    sorted_logits = jnp.where(keep, sorted_logits, -jnp.inf)
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs  # probability of the strictly more likely tokens
+    top_p = params.top_p.astype(jnp.float32)[:, None]
+    # rank 0 is always kept; top_p >= 1 keeps everything even where the float cumsum reaches 1 early.
+    keep = keep & ((mass_before < top_p) | (top_p >= 1.0) | (rank == 0))
+
+    rows = jnp.arange(batch)[:, None]
+    keep_vocab = jnp.zeros((batch, vocab), dtype=bool).at[rows, order].set(keep)
+    return jnp.where(keep_vocab, scaled, -jnp.inf)
 
 
 def probs_after_filtering(logits: jax.Array, params: SamplingParams) -> jax.Array:
