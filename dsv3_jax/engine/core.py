@@ -259,8 +259,7 @@ class Engine:
                 for n, s in pairs for m in ("greedy", "full", "masked") if m in modes]
         unmasked = {"greedy", "full"} & set(modes)
         if self.long_prefill is not None and self.long_prefill[1] in pairs and unmasked:
-            n, s = self.long_prefill[1]  # one program: long-prefill steps always run full (step.build)
-            keys.append(step.StepKey(n, s, self.width, c.spec_k, True, 0, True))
+            keys.append(step.long_prefill_key(*self.long_prefill[1], self.width, c.spec_k))
         return keys
 
     def warmup(self, max_rows: int | None = None, max_tokens: int | None = None,

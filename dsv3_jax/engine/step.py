@@ -253,6 +253,13 @@ class RowPlan:
     constrained: bool = False  # a grammar bitmask applies when it samples (the engine fills `bitmask`)
 
 
+def long_prefill_key(tokens: int, rows: int, width: int, spec_k: int) -> StepKey:
+    """The one program of the long-prefill path (one batch shard, unmasked): always the full mode, a
+    superset (a greedy row's argmax is the same), so the path costs one program, not a greedy/full pair:
+    ~20 s of GPU compile each (2026-12-07)."""
+    return StepKey(tokens, rows, width, spec_k, True, 0, True)
+
+
 def build(rows: list[RowPlan], *, spec_k: int, shapes: StepShapes, width: int, logprobs: bool,
           num_shards: int = 1, scratch_slot: int = 0, mask_words: int = 0,
           long_prefill: tuple[int, tuple[int, int]] | None = None) -> StepBatch:
@@ -273,9 +280,8 @@ def build(rows: list[RowPlan], *, spec_k: int, shapes: StepShapes, width: int, l
     long = (long_prefill is not None and num_shards == 1 and len(rows) == 1 and not masked
             and rows[0].ndraft == 0 and rows[0].start >= long_prefill[0]
             and (n_seg, s_seg) == long_prefill[1])
-    # A long-prefill step is always the full program (a superset: a greedy row's argmax is the same), so
-    # the path costs one program, not a greedy/full pair: ~20 s of GPU compile each (2026-12-07).
-    key = StepKey(n_seg * num_shards, s_seg * num_shards, width, spec_k, bool(full or long), masked, long)
+    key = (long_prefill_key(n_seg, s_seg, width, spec_k) if long
+           else StepKey(n_seg * num_shards, s_seg * num_shards, width, spec_k, bool(full), masked))
     n, s, j = key.tokens, key.rows, spec_k + 1
     ints = np.zeros(packed_size(int_fields(key)), np.int32)
     floats = np.zeros(packed_size(float_fields(key)), np.float32)
