@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import e2e_bench  # noqa: E402
 from device_time import jax_device_time  # noqa: E402
 
-from dsv3_jax.model import kv_cache  # noqa: E402
+from dsv3_jax.model import kv_b, kv_cache  # noqa: E402
 from dsv3_jax.model.kv_cache import PageMeta  # noqa: E402
 from dsv3_jax.model.trace_options import TraceOptions  # noqa: E402
 from dsv3_jax.model.transformer import Transformer  # noqa: E402
@@ -141,6 +141,8 @@ def variants_slice(args) -> int:
 def one_slice(n_moe: int, args, bandwidth: float) -> dict:
     cfg = slice_config(n_moe, args)
     model, params = e2e_bench.random_params(cfg, fp8=not args.bf16)
+    if args.kv_b == "split":  # what every ModelHandle holds (model/kv_b.py)
+        params = kv_b.split(params, cfg, jax.numpy.bfloat16)
     ps = kv_cache.PAGE_SIZE
     table = kv_cache.contiguous_table(args.batch, args.ctx + 1, ps)
     cache = kv_cache.allocate(cfg, 1 + table.size, ps, "absorbed", "bfloat16")
@@ -228,6 +230,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--xla-variants", nargs="?", const="all", default=None,
                     help="the variants slice's step under XLA option variants too (engine_bench.XLA_VARIANTS): "
                          "all, or a comma list of their names (the default is always measured)")
+    ap.add_argument("--kv-b", default="split", choices=("split", "checkpoint"),
+                    help="kv_b as the product holds it (split: dequantized once, model/kv_b.py) or in the "
+                         "checkpoint form (dequantized and transposed in every step)")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run at toy size")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -254,7 +259,8 @@ def main(argv: list[str] | None = None) -> dict:
     fit["floor_ms_at_0_layers"] = float(np.polyfit(ns, [r["floor_ms"] for r in rows], 1)[1]) if len(ns) > 1 \
         else float("nan")
     result = {"device": str(jax.devices()[0]), "batch": args.batch, "ctx": args.ctx, "weights":
-              "bf16" if args.bf16 else "fp8", "experts": rows[0]["experts"], "bandwidth_TBps": bandwidth / 1e12,
+              "bf16" if args.bf16 else "fp8", "kv_b": args.kv_b, "experts": rows[0]["experts"],
+              "bandwidth_TBps": bandwidth / 1e12,
               "rows": rows, "fit": fit}
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

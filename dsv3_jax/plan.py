@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv3_jax.config import ModelConfig
-from dsv3_jax.model import layout
+from dsv3_jax.model import kv_b, layout
 from dsv3_jax.parallel import sharding
 
 DTYPES = ("bf16", "fp8", "fp32")
@@ -239,6 +239,8 @@ def plan(cfg: ModelConfig, mesh: str | Mapping[str, int] | Any, *, dtype: str = 
         raise ValueError(f"reserve ({fmt_bytes(reserve_b)}) leaves nothing of the device memory "
                          f"({fmt_bytes(mem)})")
     tree = params_or_shapes if params_or_shapes is not None else param_layout(cfg, dtype, include_mtp)
+    # What the devices hold: kv_b in its inference form (model/kv_b.py, split by every ModelHandle)
+    tree = kv_b.split_shapes(tree, cfg, jnp.float32 if dtype == "fp32" else jnp.bfloat16)
     total, per_dev, rep = tree_bytes_per_device(tree, sharding.param_specs(tree), sizes)
     return Plan(mesh=sizes, dtype=dtype, max_seq_len=max_seq_len, device_memory=mem, reserve=reserve_b,
                 weight_bytes_total=total, weight_bytes_per_device=per_dev, replicated_bytes_per_device=rep,

@@ -5,6 +5,8 @@ Owns: the q/kv projections, YaRN rope on the 64 rope dims, and attention itself 
 - *absorbed* form: the cache keeps only [c ; k_rope] (576 values per token for V3); W_uk (kv_b's K half)
   is folded into q, and W_uv (its V half) is applied after attention.
 Both forms give the same numbers; names follow the paper / official reference (wkv_a, kv_norm, q_pe).
+kv_b is read in either parameter form: the checkpoint's `kv_b_proj` (split and dequantized in every
+call) or the inference form every ModelHandle holds (kv_b.py: W_uk / W_uv split and dequantized once).
 One sequence's prefill chunk alone in a step (`PageMeta.long_prefill`) reads the absorbed pool in naive
 form instead (long_prefill.py: the prefix's latents expanded to per-head K/V, flash attention): at a long
 prefix the faster algorithm.
@@ -27,7 +29,7 @@ import jax.numpy as jnp
 
 from dsv3_jax.config import ModelConfig
 from dsv3_jax.model import kernel_dispatch as kernels
-from dsv3_jax.model import layout, long_prefill
+from dsv3_jax.model import kv_b, layout, long_prefill
 from dsv3_jax.model.kv_cache import (
     PageMeta,
     absorbed_leaves,
@@ -73,14 +75,21 @@ class MLA(nn.Module):
             self.q_b_proj = Linear(c.q_lora_rank, h * c.qk_head_dim, **kw)
         self.kv_a_proj_with_mqa = Linear(c.hidden_size, c.latent_dim, **kw)
         self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.rms_norm_eps, self.param_dtype)
-        self.kv_b_proj = Linear(c.kv_lora_rank, h * (c.qk_nope_head_dim + c.v_head_dim), **kw)
+        if self.has_variable("params", kv_b.W_UK):
+            # kv_b's inference form (kv_b.split: dequantized once, laid out for the products)
+            zeros, r = nn.initializers.zeros, c.kv_lora_rank
+            self.w_uk = self.param(kv_b.W_UK, zeros, (h, r, c.qk_nope_head_dim), self.param_dtype)
+            self.w_uv = self.param(kv_b.W_UV, zeros, (h, r, c.v_head_dim), self.param_dtype)
+        else:
+            self.kv_b_proj = Linear(c.kv_lora_rank, h * (c.qk_nope_head_dim + c.v_head_dim), **kw)
         self.o_proj = Linear(h * c.v_head_dim, c.hidden_size, **kw)
 
-    def _kv_b_weight(self, dtype) -> jax.Array:
-        """kv_b as [H, nope + v, kv_lora_rank]; W_uk and W_uv are its two halves."""
-        c = self.cfg
-        w = self.kv_b_proj.matrix(dtype)
-        return w.reshape(c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
+    def absorb_weights(self, dtype) -> tuple[jax.Array, jax.Array]:
+        """(W_uk [H, R, dn], W_uv [H, R, dv]) in `dtype`: the inference form's leaves as they lie, or the
+        checkpoint form's kv_b_proj split (and dequantized) here, at every call."""
+        if self.has_variable("params", kv_b.W_UK):
+            return self.w_uk.astype(dtype), self.w_uv.astype(dtype)
+        return kv_b.halves(self.kv_b_proj.matrix(dtype), self.cfg)
 
     def __call__(self, x: jax.Array, positions: jax.Array, cache: dict | None = None,
                  meta: PageMeta | None = None, form: str = "absorbed",
@@ -111,8 +120,7 @@ class MLA(nn.Module):
         q_pe = apply_rope(q_pe, cos, sin, c.rope_interleave)
         k_pe = apply_rope(k_pe, cos, sin, c.rope_interleave)
 
-        w_kvb = self._kv_b_weight(x.dtype)
-        w_uk, w_uv = w_kvb[:, :dn, :], w_kvb[:, dn:, :]
+        w_uk, w_uv = self.absorb_weights(x.dtype)
         start = positions[:, 0]
         scale = c.softmax_scale
         backend = self.trace_options.kernels
@@ -123,7 +131,7 @@ class MLA(nn.Module):
         if form == "absorbed" and cache is not None and meta.long_prefill:
             out, cache = self._long_prefill(cache, meta, start, latent, k_pe, q_nope, q_pe, w_uk, w_uv, layer)
         elif form == "absorbed":
-            q_lat = jnp.einsum("bthd,hdr->bthr", q_nope, w_uk)
+            q_lat = jnp.einsum("bthd,hrd->bthr", q_nope, w_uk)
             if cache is not None:
                 # The pool's leaves: `pages` ([B, T, 576] values new), or the FP8 cache's latent e4m3 /
                 # scales / rope (the new tokens quantized here, on write).
@@ -158,10 +166,10 @@ class MLA(nn.Module):
                           + jnp.einsum("bthe,bse->bhts", q_pe, k_rope, preferred_element_type=jnp.float32))
                 p = _causal_softmax(scores * scale, positions, positions)
                 o_lat = jnp.einsum("bhts,bsr->bthr", p.astype(x.dtype), c_kv)
-            out = jnp.einsum("bthr,hvr->bthv", o_lat.astype(x.dtype), w_uv)
+            out = jnp.einsum("bthr,hrv->bthv", o_lat.astype(x.dtype), w_uv)
         else:
-            k_nope = jnp.einsum("btr,hdr->bthd", latent, w_uk)
-            v = jnp.einsum("btr,hvr->bthv", latent, w_uv)
+            k_nope = jnp.einsum("btr,hrd->bthd", latent, w_uk)
+            v = jnp.einsum("btr,hrv->bthv", latent, w_uv)
             k = jnp.concatenate([k_nope, jnp.broadcast_to(k_pe[:, :, None, :], (b, t, h, dr))], axis=-1)
             if cache is not None:
                 if layout.FP8_LATENT in cache:

@@ -235,6 +235,11 @@ def param_specs(params_or_shapes: Any) -> Any:
     return _leaf_specs(params_or_shapes, layout.param_axes)
 
 
+def param_sharding(mesh: Mesh, path: str, ndim: int) -> NamedSharding:
+    """The NamedSharding of the parameter at '/'-joined `path` with `ndim` dimensions (by its name)."""
+    return NamedSharding(mesh, logical_to_spec(layout.param_axes(path, ndim)))
+
+
 def param_shardings(cfg: ModelConfig, mesh: Mesh, params_or_shapes: Any) -> Any:
     """Tree of NamedShardings for a parameter tree, after checking that `mesh` divides `cfg`."""
     fp8 = any(getattr(x, "dtype", None) == jax.numpy.float8_e4m3fn
