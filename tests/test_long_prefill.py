@@ -188,7 +188,8 @@ def test_cudnn_chunk_attention_matches_the_reference_gpu():
     def run(backend):
         return jax.jit(lambda: long_prefill.chunk_attention(
             qn, qr, lambda ids: kv_cache.read_values(kv, ids, jnp.bfloat16), table, jnp.int32(prefix),
-            jnp.int32(n), w[0], w[1], page_size=ps, softmax_scale=192**-0.5, backend=backend))()
+            jnp.int32(n), w[0].swapaxes(1, 2), w[1], page_size=ps,  # W_uk [h, R, dn], W_uv [h, dv, R]
+            softmax_scale=192**-0.5, backend=backend))()
 
     got, want = (np.asarray(run(b), np.float32) for b in ("pallas", "reference"))
     assert np.all(np.isfinite(got))

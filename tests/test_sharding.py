@@ -167,7 +167,7 @@ def test_parameter_shard_shapes(models):
         ("moe_layers", "self_attn", "q_b_proj", "weight"): (nl, h // 2 * c.qk_head_dim, c.q_lora_rank),
         # kv_b as the handle holds it (model/kv_b.py): heads / tensor
         ("moe_layers", "self_attn", "w_uk"): (nl, h // 2, c.kv_lora_rank, c.qk_nope_head_dim),
-        ("moe_layers", "self_attn", "w_uv"): (nl, h // 2, c.kv_lora_rank, c.v_head_dim),
+        ("moe_layers", "self_attn", "w_uv"): (nl, h // 2, c.v_head_dim, c.kv_lora_rank),
         ("moe_layers", "self_attn", "o_proj", "weight"): (nl, d, h // 2 * c.v_head_dim),
         ("moe_layers", "self_attn", "kv_a_proj_with_mqa", "weight"): (nl, c.latent_dim, d),  # replicated
         ("dense_layers", "mlp", "gate_proj", "weight"): (c.n_dense_layers, c.intermediate_size // 2, d),

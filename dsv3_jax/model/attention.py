@@ -79,16 +79,16 @@ class MLA(nn.Module):
             # kv_b's inference form (kv_b.split: dequantized once, laid out for the products)
             zeros, r = nn.initializers.zeros, c.kv_lora_rank
             self.w_uk = self.param(kv_b.W_UK, zeros, (h, r, c.qk_nope_head_dim), self.param_dtype)
-            self.w_uv = self.param(kv_b.W_UV, zeros, (h, r, c.v_head_dim), self.param_dtype)
+            self.w_uv = self.param(kv_b.W_UV, zeros, (h, c.v_head_dim, r), self.param_dtype)
         else:
             self.kv_b_proj = Linear(c.kv_lora_rank, h * (c.qk_nope_head_dim + c.v_head_dim), **kw)
         self.o_proj = Linear(h * c.v_head_dim, c.hidden_size, **kw)
 
     def absorb_weights(self, dtype) -> tuple[jax.Array, jax.Array]:
-        """(W_uk [H, R, dn], W_uv [H, R, dv]) in `dtype`: the inference form's leaves as they lie, or the
+        """(W_uk [H, R, dn], W_uv [H, dv, R]) in `dtype`: the inference form's leaves as they lie, or the
         checkpoint form's kv_b_proj split (and dequantized) here, at every call."""
         if self.has_variable("params", kv_b.W_UK):
-            return self.w_uk.astype(dtype), self.w_uv.astype(dtype)
+            return kv_b.pinned(self.w_uk.astype(dtype)), kv_b.pinned(self.w_uv.astype(dtype))
         return kv_b.halves(self.kv_b_proj.matrix(dtype), self.cfg)
 
     def __call__(self, x: jax.Array, positions: jax.Array, cache: dict | None = None,
@@ -166,10 +166,10 @@ class MLA(nn.Module):
                           + jnp.einsum("bthe,bse->bhts", q_pe, k_rope, preferred_element_type=jnp.float32))
                 p = _causal_softmax(scores * scale, positions, positions)
                 o_lat = jnp.einsum("bhts,bsr->bthr", p.astype(x.dtype), c_kv)
-            out = jnp.einsum("bthr,hrv->bthv", o_lat.astype(x.dtype), w_uv)
+            out = jnp.einsum("bthr,hvr->bthv", o_lat.astype(x.dtype), w_uv)
         else:
             k_nope = jnp.einsum("btr,hrd->bthd", latent, w_uk)
-            v = jnp.einsum("btr,hrv->bthv", latent, w_uv)
+            v = jnp.einsum("btr,hvr->bthv", latent, w_uv)
             k = jnp.concatenate([k_nope, jnp.broadcast_to(k_pe[:, :, None, :], (b, t, h, dr))], axis=-1)
             if cache is not None:
                 if layout.FP8_LATENT in cache:

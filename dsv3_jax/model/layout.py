@@ -88,7 +88,7 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {
     "self_attn/kv_a_proj_with_mqa/weight": ("kv_latent", "embed"),
     "self_attn/kv_b_proj/weight": ("heads", "kv_latent"),
     "self_attn/w_uk": ("heads", "kv_latent", "head_dim"),  # kv_b's inference form (kv_b.py)
-    "self_attn/w_uv": ("heads", "kv_latent", "head_dim"),
+    "self_attn/w_uv": ("heads", "head_dim", "kv_latent"),
     "self_attn/o_proj/weight": ("embed", "heads"),
     "mlp/gate_proj/weight": ("mlp", "embed"),
     "mlp/up_proj/weight": ("mlp", "embed"),

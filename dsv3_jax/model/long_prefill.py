@@ -57,7 +57,7 @@ def _expand(values: jax.Array, w_uk: jax.Array, w_uv: jax.Array, dtype) -> tuple
     r = w_uk.shape[1]
     c, k_rope = values[:, :r].astype(dtype), values[:, r:].astype(dtype)
     k_nope = jnp.einsum("sr,hrd->shd", c, w_uk, preferred_element_type=jnp.float32).astype(dtype)
-    v = jnp.einsum("sr,hrv->shv", c, w_uv, preferred_element_type=jnp.float32).astype(dtype)
+    v = jnp.einsum("sr,hvr->shv", c, w_uv, preferred_element_type=jnp.float32).astype(dtype)
     h = w_uk.shape[0]
     k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope[:, None, :], (c.shape[0], h, k_rope.shape[-1]))], -1)
     return k, v
@@ -71,11 +71,11 @@ def chunk_attention(q_nope: jax.Array, q_rope: jax.Array, read_pages, table: jax
 
     q_nope [N, H, dn], q_rope [N, H, r]; `read_pages(ids [n]) -> values [n * page_size, R + r]` reads
     the pool (already holding the chunk's own keys); `table` [W] the sequence's page ids; start, n_valid
-    int32 scalars; w_uk [H, R, dn], w_uv [H, R, dv] (kv_b.py's orientation). Rows t >= n_valid are
+    int32 scalars; w_uk [H, R, dn], w_uv [H, dv, R] (kv_b.py's orientation). Rows t >= n_valid are
     padding (finite, discarded).
     """
     n, h, _ = q_nope.shape
-    dv = w_uv.shape[2]
+    dv = w_uv.shape[1]
     dtype = q_nope.dtype
     q = jnp.concatenate([q_nope, q_rope.astype(dtype)], axis=-1)
     bp = max(1, (block_tokens or BLOCK_TOKENS) // page_size)  # pages per block

@@ -172,7 +172,7 @@ def _attention_probs(mla: MLA, x: jax.Array, positions: jax.Array) -> tuple[jax.
     k_pe = apply_rope(kv[..., c.kv_lora_rank:], cos, sin, c.rope_interleave)
     w_uk, w_uv = mla.absorb_weights(x.dtype)
     k_nope = jnp.einsum("btr,hrd->bthd", latent, w_uk)
-    v = jnp.einsum("btr,hrv->bthv", latent, w_uv)
+    v = jnp.einsum("btr,hvr->bthv", latent, w_uv)
     scores = (jnp.einsum("bthd,bshd->bhts", q[..., :dn], k_nope, preferred_element_type=jnp.float32)
               + jnp.einsum("bthe,bse->bhts", q_pe, k_pe, preferred_element_type=jnp.float32))
     p = _causal_softmax(scores * c.softmax_scale, positions, positions)
