@@ -102,10 +102,3 @@ def split_shapes(tree: Any, cfg: ModelConfig, dtype: Any) -> Any:
 
     return _split_subtrees(tree, convert)
 
-
-def is_split(params: Any) -> bool:
-    """Whether any self_attn subtree of `params` holds the inference form."""
-    if not isinstance(params, dict):
-        return False
-    return any((name == ATTENTION and isinstance(sub, dict) and W_UK in sub) or is_split(sub)
-               for name, sub in params.items())
