@@ -46,7 +46,7 @@ import comm_volume  # noqa: E402
 import jax  # noqa: E402
 
 from dsv3_jax import plan as planner  # noqa: E402
-from dsv3_jax.model import layout  # noqa: E402
+from dsv3_jax.model import kv_b, layout  # noqa: E402
 from dsv3_jax.parallel import sharding  # noqa: E402
 
 README = ROOT / "launch" / "README.md"
@@ -123,7 +123,7 @@ def max_local_experts(cfg, ep: int, tokens: int, trials: int = 64, seed: int = 0
 
 # ----------------------------------------------------------------------------------------- bytes
 def _leaves(cfg, dtype: str, mtp: bool):
-    tree = planner.param_layout(cfg, dtype, include_mtp=mtp)
+    tree = planner.device_form(planner.param_layout(cfg, dtype, include_mtp=mtp), cfg, dtype)
     specs = sharding.param_specs(tree)
     leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=layout.is_info)[0]
     spec_leaves = jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec))
@@ -149,7 +149,8 @@ def weight_bytes(cfg, dtype: str, sizes: dict[str, int], *, mtp: bool) -> dict[s
                 out["expert_params"] += math.prod(shard)
         else:
             out["dense"] += nbytes
-            if len(info.shape) >= 2 and names[-1] == "weight" and "norm" not in names[-2]:
+            matrix = names[-1] in ("weight", kv_b.W_UK, kv_b.W_UV)  # kv_b's halves: model/kv_b.py
+            if len(info.shape) >= 2 and matrix and "norm" not in names[-2]:
                 out["dense_params_fp8" if item == 1 else "dense_params_bf16"] += math.prod(shard)
     return out
 

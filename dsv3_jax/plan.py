@@ -81,6 +81,13 @@ def param_layout(cfg: ModelConfig, dtype: str = "bf16", include_mtp: bool = True
                                fp8=dtype == "fp8")
 
 
+def device_form(tree: Any, cfg: ModelConfig, dtype: str = "bf16") -> Any:
+    """A parameter tree (arrays, ShapeDtypeStructs or the layout) as the devices hold it: kv_b in its
+    inference form (model/kv_b.py: every ModelHandle splits it), in the compute dtype of weights stored as
+    `dtype`. What the planner and the scale table count."""
+    return kv_b.split_shapes(tree, cfg, jnp.float32 if dtype == "fp32" else jnp.bfloat16)
+
+
 @functools.lru_cache(maxsize=8)
 def param_shapes(cfg: ModelConfig, dtype: str = "bf16", include_mtp: bool = True) -> Any:
     """The parameter tree as ShapeDtypeStructs (from the layout: no memory, no tracing)."""
@@ -238,9 +245,8 @@ def plan(cfg: ModelConfig, mesh: str | Mapping[str, int] | Any, *, dtype: str = 
     if reserve_b >= mem:
         raise ValueError(f"reserve ({fmt_bytes(reserve_b)}) leaves nothing of the device memory "
                          f"({fmt_bytes(mem)})")
-    tree = params_or_shapes if params_or_shapes is not None else param_layout(cfg, dtype, include_mtp)
-    # What the devices hold: kv_b in its inference form (model/kv_b.py, split by every ModelHandle)
-    tree = kv_b.split_shapes(tree, cfg, jnp.float32 if dtype == "fp32" else jnp.bfloat16)
+    stored = params_or_shapes if params_or_shapes is not None else param_layout(cfg, dtype, include_mtp)
+    tree = device_form(stored, cfg, dtype)
     total, per_dev, rep = tree_bytes_per_device(tree, sharding.param_specs(tree), sizes)
     return Plan(mesh=sizes, dtype=dtype, max_seq_len=max_seq_len, device_memory=mem, reserve=reserve_b,
                 weight_bytes_total=total, weight_bytes_per_device=per_dev, replicated_bytes_per_device=rep,
