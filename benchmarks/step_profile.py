@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import gzip
 import json
 import re
 import sys
@@ -155,7 +156,12 @@ def one_slice(n_moe: int, args, bandwidth: float) -> dict:
     step = jax.jit(lambda p, c: m.apply({"params": p}, toks, pos, c, meta)[0][:, -1].argmax(-1))
 
     wall = e2e_bench.timeit(lambda: step(params, cache), args.reps)
-    moves = hlo_moves(step.lower(params, cache).compile().as_text())  # from the persistent cache, if on
+    hlo = step.lower(params, cache).compile().as_text()  # from the persistent cache, if on
+    moves = hlo_moves(hlo)
+    if args.hlo_dir:  # the optimized HLO: a profile's fusion names map to their source ops (metadata op_name)
+        args.hlo_dir.mkdir(parents=True, exist_ok=True)
+        with gzip.open(args.hlo_dir / f"step_1+{n_moe}_{args.kv_b}.hlo.txt.gz", "wt") as f:
+            f.write(hlo)
     floor_ms = 1e3 * e2e_bench.step_bytes(cfg, params, args.batch, args.ctx) / bandwidth
     row = {"moe_layers": n_moe, "layers": cfg.num_hidden_layers, "experts": cfg.n_routed_experts, "wall": wall,
            "floor_ms": floor_ms, "hlo_moves": moves[:12],
@@ -235,6 +241,7 @@ def main(argv: list[str] | None = None) -> dict:
                          "checkpoint form (dequantized and transposed in every step)")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run at toy size")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--hlo-dir", type=Path, default=None, help="write each slice's optimized HLO (gzip) here")
     args = ap.parse_args(argv)
     if args.tiny:
         args.kernels, args.reps = "reference", min(args.reps, 3)
