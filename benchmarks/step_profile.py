@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import e2e_bench  # noqa: E402
 from device_time import jax_device_time  # noqa: E402
 
-from dsv3_jax.model import kv_b, kv_cache  # noqa: E402
+from dsv3_jax.model import kv_b, kv_cache, qkv_a  # noqa: E402
 from dsv3_jax.model.kv_cache import PageMeta  # noqa: E402
 from dsv3_jax.model.trace_options import TraceOptions  # noqa: E402
 from dsv3_jax.model.transformer import Transformer  # noqa: E402
@@ -144,6 +144,8 @@ def one_slice(n_moe: int, args, bandwidth: float) -> dict:
     model, params = e2e_bench.random_params(cfg, fp8=not args.bf16)
     if args.kv_b == "split":  # what every ModelHandle holds (model/kv_b.py)
         params = kv_b.split(params, cfg, jax.numpy.bfloat16)
+    if args.qkv_a == "fused":  # what every ModelHandle holds (model/qkv_a.py)
+        params = qkv_a.fuse(params, cfg)
     ps = kv_cache.PAGE_SIZE
     table = kv_cache.contiguous_table(args.batch, args.ctx + 1, ps)
     cache = kv_cache.allocate(cfg, 1 + table.size, ps, "absorbed", "bfloat16")
@@ -160,7 +162,7 @@ def one_slice(n_moe: int, args, bandwidth: float) -> dict:
     moves = hlo_moves(hlo)
     if args.hlo_dir:  # the optimized HLO: a profile's fusion names map to their source ops (metadata op_name)
         args.hlo_dir.mkdir(parents=True, exist_ok=True)
-        with gzip.open(args.hlo_dir / f"step_1+{n_moe}_{args.kv_b}.hlo.txt.gz", "wt") as f:
+        with gzip.open(args.hlo_dir / f"step_1+{n_moe}_{args.kv_b}_{args.qkv_a}.hlo.txt.gz", "wt") as f:
             f.write(hlo)
     floor_ms = 1e3 * e2e_bench.step_bytes(cfg, params, args.batch, args.ctx) / bandwidth
     row = {"moe_layers": n_moe, "layers": cfg.num_hidden_layers, "experts": cfg.n_routed_experts, "wall": wall,
@@ -239,6 +241,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--kv-b", default="split", choices=("split", "checkpoint"),
                     help="kv_b as the product holds it (split: dequantized once, model/kv_b.py) or in the "
                          "checkpoint form (dequantized and transposed in every step)")
+    ap.add_argument("--qkv-a", default="fused", choices=("fused", "separate"),
+                    help="q_a and kv_a as the product holds them (fused: one linear, model/qkv_a.py) or as "
+                         "the checkpoint's two linears")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run at toy size")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--hlo-dir", type=Path, default=None, help="write each slice's optimized HLO (gzip) here")
@@ -266,7 +271,7 @@ def main(argv: list[str] | None = None) -> dict:
     fit["floor_ms_at_0_layers"] = float(np.polyfit(ns, [r["floor_ms"] for r in rows], 1)[1]) if len(ns) > 1 \
         else float("nan")
     result = {"device": str(jax.devices()[0]), "batch": args.batch, "ctx": args.ctx, "weights":
-              "bf16" if args.bf16 else "fp8", "kv_b": args.kv_b, "experts": rows[0]["experts"],
+              "bf16" if args.bf16 else "fp8", "kv_b": args.kv_b, "qkv_a": args.qkv_a, "experts": rows[0]["experts"],
               "bandwidth_TBps": bandwidth / 1e12,
               "rows": rows, "fit": fit}
     if args.out:

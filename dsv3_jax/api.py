@@ -25,7 +25,7 @@ from dsv3_jax.config import ModelConfig
 from dsv3_jax.engine.executor import enable_compilation_cache
 from dsv3_jax.engine.sampling import load_generation_defaults
 from dsv3_jax.formats import checkpoint, compact
-from dsv3_jax.model import kv_b, layout
+from dsv3_jax.model import inference_form, layout
 from dsv3_jax.model.attention import ATTENTION_FORMS
 from dsv3_jax.model.trace_options import TraceOptions
 from dsv3_jax.model.transformer import Transformer
@@ -64,12 +64,14 @@ class ModelHandle:
             raise ValueError("kv_cache_dtype 'fp8' needs attention='absorbed': the naive form caches "
                              "per-head K/V, the FP8 cache is the absorbed form's latent")
         self.fp8 = checkpoint.tree_is_fp8(self.params)
-        # kv_b dequantized and laid out once here, not in every step (model/kv_b.py); the handle holds
-        # the inference form, and its shardings are those of the arrays it holds.
+        # MLA's weights prepared once here, not in every step (model/inference_form.py: kv_b split and
+        # dequantized, q_a and kv_a fused); the handle holds the inference form, and its shardings are
+        # those of the arrays it holds.
         sharding_of = None
         if self.mesh is not None:
             sharding_of = lambda path, ndim: sharding.param_sharding(self.mesh, path, ndim)  # noqa: E731
-        self.params = kv_b.split(self.params, self.config, jnp.dtype(self.config.dtype), sharding_of)
+        self.params = inference_form.prepare(self.params, self.config, jnp.dtype(self.config.dtype),
+                                             sharding_of)
         if self.mesh is not None:
             self.param_shardings = jax.tree.map(lambda x: x.sharding, self.params)
         self.model = Transformer(self.config, jnp.dtype(self.config.dtype), self.fp8, self.attention,

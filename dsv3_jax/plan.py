@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv3_jax.config import ModelConfig
-from dsv3_jax.model import kv_b, layout
+from dsv3_jax.model import inference_form, layout
 from dsv3_jax.parallel import sharding
 
 DTYPES = ("bf16", "fp8", "fp32")
@@ -82,10 +82,10 @@ def param_layout(cfg: ModelConfig, dtype: str = "bf16", include_mtp: bool = True
 
 
 def device_form(tree: Any, cfg: ModelConfig, dtype: str = "bf16") -> Any:
-    """A parameter tree (arrays, ShapeDtypeStructs or the layout) as the devices hold it: kv_b in its
-    inference form (model/kv_b.py: every ModelHandle splits it), in the compute dtype of weights stored as
-    `dtype`. What the planner and the scale table count."""
-    return kv_b.split_shapes(tree, cfg, jnp.float32 if dtype == "fp32" else jnp.bfloat16)
+    """A parameter tree (arrays, ShapeDtypeStructs or the layout) as the devices hold it: the inference
+    form every ModelHandle prepares (model/inference_form.py), kv_b's halves in the compute dtype of
+    weights stored as `dtype`. What the planner and the scale table count."""
+    return inference_form.shapes(tree, cfg, jnp.float32 if dtype == "fp32" else jnp.bfloat16)
 
 
 @functools.lru_cache(maxsize=8)

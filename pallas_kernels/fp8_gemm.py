@@ -127,6 +127,10 @@ NARROW_CONFIG = Fp8GemmConfig(wg_split="m", max_concurrent_steps=4)
 # (benchmarks/RESULTS.md, round four; the wall-clock sweep of round three ranked them the same way).
 SHORT_K_CONFIG = Fp8GemmConfig(wg_split="m", max_concurrent_steps=3, wg_n=256, band=2)
 SHORT_K_BLOCKS = 16
+# The widest N one CTA tile of a default tiling covers (tile_n x cluster_n): `_launch` pads N up to its
+# tile in every call (a copy of the whole weight), so a weight whose N is a multiple of this is never
+# padded per call. Model code that builds a weight at load (dsv3_jax/model/qkv_a.py) pads it to this once.
+N_ALIGN = 256
 
 
 def default_config(num_rows: int, num_groups: int) -> Fp8GemmConfig:

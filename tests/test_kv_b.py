@@ -19,7 +19,7 @@ from dsv3_jax import plan
 from dsv3_jax.api import ModelHandle
 from dsv3_jax.config import ModelConfig
 from dsv3_jax.formats.quantize import quantize_params
-from dsv3_jax.model import kv_b, layout
+from dsv3_jax.model import kv_b, layout, qkv_a
 from dsv3_jax.model.transformer import Transformer
 from dsv3_jax.parallel import sharding
 
@@ -112,4 +112,8 @@ def test_the_planner_counts_the_split_form():
     layers = cfg.num_hidden_layers + cfg.num_nextn_predict_layers
     fp8_kv_b = layers * (h * (dn + dv) * r + (h * (dn + dv) // 128) * (r // 128) * 4)
     split_kv_b = layers * h * r * (dn + dv) * 2  # bf16
-    assert got.weight_bytes_total == layout.tree_nbytes(checkpoint_tree) - fp8_kv_b + split_kv_b
+    # the inference form's other transform, q_a and kv_a fused, is counted by test_qkv_a.py
+    fused = qkv_a.fuse_shapes(checkpoint_tree, cfg)
+    fused_bytes = sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize
+                      for x in jax.tree.leaves(fused, is_leaf=layout.is_info))
+    assert got.weight_bytes_total == fused_bytes - fp8_kv_b + split_kv_b

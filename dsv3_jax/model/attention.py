@@ -6,7 +6,8 @@ Owns: the q/kv projections, YaRN rope on the 64 rope dims, and attention itself 
   is folded into q, and W_uv (its V half) is applied after attention.
 Both forms give the same numbers; names follow the paper / official reference (wkv_a, kv_norm, q_pe).
 kv_b is read in either parameter form: the checkpoint's `kv_b_proj` (split and dequantized in every
-call) or the inference form every ModelHandle holds (kv_b.py: W_uk / W_uv split and dequantized once).
+call) or the inference form every ModelHandle holds (kv_b.py: W_uk / W_uv split and dequantized once);
+q_a and kv_a as two linears or fused into one (qkv_a.py, also done at load).
 One sequence's prefill chunk alone in a step (`PageMeta.long_prefill`) reads the absorbed pool in naive
 form instead (long_prefill.py: the prefix's latents expanded to per-head K/V, flash attention): at a long
 prefix the faster algorithm.
@@ -29,7 +30,7 @@ import jax.numpy as jnp
 
 from dsv3_jax.config import ModelConfig
 from dsv3_jax.model import kernel_dispatch as kernels
-from dsv3_jax.model import kv_b, layout, long_prefill
+from dsv3_jax.model import kv_b, layout, long_prefill, qkv_a
 from dsv3_jax.model.kv_cache import (
     PageMeta,
     absorbed_leaves,
@@ -70,10 +71,14 @@ class MLA(nn.Module):
         if c.q_lora_rank is None:
             self.q_proj = Linear(c.hidden_size, h * c.qk_head_dim, **kw)
         else:
-            self.q_a_proj = Linear(c.hidden_size, c.q_lora_rank, **kw)
             self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.rms_norm_eps, self.param_dtype)
             self.q_b_proj = Linear(c.q_lora_rank, h * c.qk_head_dim, **kw)
-        self.kv_a_proj_with_mqa = Linear(c.hidden_size, c.latent_dim, **kw)
+        if self.has_variable("params", qkv_a.QKV_A):  # q_a and kv_a fused at load (qkv_a.fuse)
+            self.qkv_a_proj = Linear(c.hidden_size, qkv_a.width(c, self.fp8), **kw)
+        else:
+            if c.q_lora_rank is not None:
+                self.q_a_proj = Linear(c.hidden_size, c.q_lora_rank, **kw)
+            self.kv_a_proj_with_mqa = Linear(c.hidden_size, c.latent_dim, **kw)
         self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.rms_norm_eps, self.param_dtype)
         if self.has_variable("params", kv_b.W_UK):
             # kv_b's inference form (kv_b.split: dequantized once, laid out for the products)
@@ -83,6 +88,18 @@ class MLA(nn.Module):
         else:
             self.kv_b_proj = Linear(c.kv_lora_rank, h * (c.qk_nope_head_dim + c.v_head_dim), **kw)
         self.o_proj = Linear(h * c.v_head_dim, c.hidden_size, **kw)
+
+    def project_q_kv(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(q [.., H * qk_head_dim] before rope, kv_a's output [.., latent_dim] before its norm) from the
+        block input x, through the fused q_a / kv_a linear when the tree holds it."""
+        c = self.cfg
+        if self.has_variable("params", qkv_a.QKV_A):
+            q_a, kv = qkv_a.split_output(self.qkv_a_proj(x), c)
+        else:
+            q_a = None if c.q_lora_rank is None else self.q_a_proj(x)
+            kv = self.kv_a_proj_with_mqa(x)
+        q = self.q_proj(x) if q_a is None else self.q_b_proj(self.q_a_layernorm(q_a))
+        return q, kv
 
     def absorb_weights(self, dtype) -> tuple[jax.Array, jax.Array]:
         """(W_uk [H, R, dn], W_uv [H, dv, R]) in `dtype`: the inference form's leaves as they lie, or the
@@ -108,13 +125,9 @@ class MLA(nn.Module):
         b, t, _ = x.shape
         h, dn, dr, dv = c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
 
-        if c.q_lora_rank is None:
-            q = self.q_proj(x)
-        else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q, kv = self.project_q_kv(x)
         q = q.reshape(b, t, h, dn + dr)
         q_nope, q_pe = q[..., :dn], q[..., dn:]
-        kv = self.kv_a_proj_with_mqa(x)
         latent, k_pe = self.kv_a_layernorm(kv[..., : c.kv_lora_rank]), kv[..., c.kv_lora_rank:]
         cos, sin = rope_angles(c, positions)
         q_pe = apply_rope(q_pe, cos, sin, c.rope_interleave)

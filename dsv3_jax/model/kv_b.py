@@ -30,11 +30,11 @@ from jax.experimental.layout import Layout, with_layout_constraint
 
 from dsv3_jax.config import ModelConfig
 from dsv3_jax.model import kernel_dispatch as kernels
+from dsv3_jax.model import layout
 
 KV_B = "kv_b_proj"  # the checkpoint form's linear, in each self_attn subtree
 W_UK = "w_uk"  # [.., H, R, dn]: kv_b's K half (folded into q in absorbed form)
 W_UV = "w_uv"  # [.., H, dv, R]: kv_b's V half (applied after attention)
-ATTENTION = "self_attn"
 
 
 def halves(matrix: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
@@ -67,22 +67,6 @@ def _from_linear(linear: dict, cfg: ModelConfig, dtype: Any) -> dict[str, jax.Ar
     return {W_UK: w_uk, W_UV: w_uv}
 
 
-def _split_subtrees(tree: Any, convert: Callable[[str, dict], dict], path: str = "") -> Any:
-    """`tree` with every self_attn dict's kv_b_proj replaced by `convert(path of that dict, kv_b_proj)`'s
-    leaves; every other leaf is the same object."""
-    if not isinstance(tree, dict):
-        return tree
-    out = {}
-    for name, sub in tree.items():
-        sub_path = f"{path}/{name}" if path else name
-        if name == ATTENTION and isinstance(sub, dict) and KV_B in sub:
-            rest = {k: v for k, v in sub.items() if k != KV_B}
-            out[name] = {**rest, **convert(sub_path, sub[KV_B])}
-        else:
-            out[name] = _split_subtrees(sub, convert, sub_path)
-    return out
-
-
 def split(params: dict, cfg: ModelConfig, dtype: Any,
           sharding_of: Callable[[str, int], Any] | None = None) -> dict:
     """The parameter tree in inference form: every kv_b_proj (stacks and the MTP layer) as W_UK / W_UV in
@@ -96,7 +80,7 @@ def split(params: dict, cfg: ModelConfig, dtype: Any,
             out_shardings = {k: sharding_of(f"{path}/{k}", ndim) for k in (W_UK, W_UV)}
         return jax.jit(lambda lin: _from_linear(lin, cfg, dtype), out_shardings=out_shardings)(linear)
 
-    return _split_subtrees(params, convert)
+    return layout.replace_in_attention(params, (KV_B,), lambda path, d: convert(path, d[KV_B]))
 
 
 def split_shapes(tree: Any, cfg: ModelConfig, dtype: Any) -> Any:
@@ -106,5 +90,5 @@ def split_shapes(tree: Any, cfg: ModelConfig, dtype: Any) -> Any:
         specs = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in linear.items()}
         return jax.eval_shape(lambda lin: _from_linear(lin, cfg, dtype), specs)
 
-    return _split_subtrees(tree, convert)
+    return layout.replace_in_attention(tree, (KV_B,), lambda path, d: convert(path, d[KV_B]))
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -41,6 +41,7 @@ DENSE_LAYERS = "dense_layers"  # the scanned stack of the first `first_k_dense_r
 MOE_LAYERS = "moe_layers"  # the scanned stack of the MoE layers
 STACKS = (DENSE_LAYERS, MOE_LAYERS)  # subtrees whose leaves carry the layer axis first
 MTP = "mtp"  # the multi-token-prediction module (parameters and its own cache)
+ATTENTION = "self_attn"  # every block's attention subtree (the stacks' and the MTP block's)
 PAGES = "pages"  # absorbed cache: [c ; k_rope] per token
 K_PAGES = "k_pages"  # naive cache: per-head K
 V_PAGES = "v_pages"  # naive cache: per-head V
@@ -65,6 +66,7 @@ LOGICAL_AXES = (
     "head_dim",  # one head's K or V width (naive cache)
     "q_lora",  # q_lora_rank
     "kv_latent",  # kv_lora_rank (+ rope): the absorbed cache's 576 values
+    "qkv_a",  # the fused q_a / kv_a output rows (qkv_a.py): q_lora_rank + kv_latent (+ padding)
     "mlp",  # dense MLP width
     "shared_mlp",  # shared-expert width
     "experts",  # routed experts
@@ -86,6 +88,7 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {
     "self_attn/q_a_proj/weight": ("q_lora", "embed"),
     "self_attn/q_b_proj/weight": ("heads", "q_lora"),
     "self_attn/kv_a_proj_with_mqa/weight": ("kv_latent", "embed"),
+    "self_attn/qkv_a_proj/weight": ("qkv_a", "embed"),  # q_a and kv_a fused at load (qkv_a.py)
     "self_attn/kv_b_proj/weight": ("heads", "kv_latent"),
     "self_attn/w_uk": ("heads", "kv_latent", "head_dim"),  # kv_b's inference form (kv_b.py)
     "self_attn/w_uv": ("heads", "head_dim", "kv_latent"),
@@ -172,6 +175,24 @@ def tree_nbytes(tree: Any) -> int:
 def path_str(path: Sequence[Any]) -> str:
     """A jax key path (or a tuple of names) as 'a/b/c'."""
     return "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+
+
+def replace_in_attention(tree: Any, names: tuple[str, ...],
+                         convert: Callable[[str, dict[str, Any]], dict[str, Any]], path: str = "") -> Any:
+    """`tree` with, in every self_attn dict holding all of `names` (the stacks' and the MTP block's),
+    those entries replaced by the items of `convert('/'-joined path of that dict, {name: entry})`; every
+    other leaf is the same object. How the inference form (inference_form.py) rewrites attention."""
+    if not isinstance(tree, dict):
+        return tree
+    out = {}
+    for name, sub in tree.items():
+        sub_path = f"{path}/{name}" if path else name
+        if name == ATTENTION and isinstance(sub, dict) and all(n in sub for n in names):
+            rest = {k: v for k, v in sub.items() if k not in names}
+            out[name] = {**rest, **convert(sub_path, {n: sub[n] for n in names})}
+        else:
+            out[name] = replace_in_attention(sub, names, convert, sub_path)
+    return out
 
 
 def param_axes(path: str, ndim: int) -> tuple[str, ...]:

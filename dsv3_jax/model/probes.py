@@ -163,9 +163,8 @@ def _attention_probs(mla: MLA, x: jax.Array, positions: jax.Array) -> tuple[jax.
     c = mla.cfg
     b, t, _ = x.shape
     h, dn = c.num_attention_heads, c.qk_nope_head_dim
-    q = mla.q_proj(x) if c.q_lora_rank is None else mla.q_b_proj(mla.q_a_layernorm(mla.q_a_proj(x)))
+    q, kv = mla.project_q_kv(x)
     q = q.reshape(b, t, h, -1)
-    kv = mla.kv_a_proj_with_mqa(x)
     latent = mla.kv_a_layernorm(kv[..., : c.kv_lora_rank])
     cos, sin = rope_angles(c, positions)
     q_pe = apply_rope(q[..., dn:], cos, sin, c.rope_interleave)

@@ -54,6 +54,7 @@ LOGICAL_RULES: dict[str, MeshAxes] = {
     "head_dim": None,
     "q_lora": None,
     "kv_latent": None,  # kv_lora_rank (+ rope): the absorbed cache's 576 values
+    "qkv_a": None,  # q_lora and kv_latent fused (model/qkv_a.py): replicated like both
     "mlp": "tensor",  # dense MLP width
     "shared_mlp": "tensor",  # shared-expert width
     "experts": "expert",  # routed experts
