@@ -12,6 +12,14 @@ os.environ.setdefault("DSV3_JAX_CACHE_DIR", tempfile.mkdtemp(prefix="dsv3_jax_xl
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+# This pytest process never writes JAX's persistent cache (no compile is that slow); the subprocesses the
+# tests start inherit DSV3_JAX_CACHE_DIR and share it as before. Why: three CI runs of the kv_b inference
+# form (2026-12-07) died with a segmentation fault in XLA:CPU's executable serialization, inside JAX's
+# cache write (`compilation_cache.put_executable_and_time`), at the same mesh-forward compile of
+# test_sharding after ~740 tests; never when that test ran alone. In one process JAX's in-memory caches
+# already reuse programs; the engine's own program store (test_engine_step) still serializes.
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 1e9)
+
 
 def _has_gpu() -> bool:
     try:
