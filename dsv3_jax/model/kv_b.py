@@ -49,13 +49,7 @@ def pinned(w: jax.Array) -> jax.Array:
     """`w` (one layer's half) pinned to its row-major layout. Why: left free, XLA's layout assignment
     gave a layer's half the layout its product wanted with the size-1 layer axis inside it, and carried
     that back to the whole stack: one transpose of every layer's half in every step, hoisted out of the
-    layer loop (H100, 2026-12-07: 46 us a step at two layers).
-
-    GPU backends only: the transposes were measured there, and XLA:CPU gains nothing from the pin. Pinned
-    on the CPU too, the test suite died twice at the same test (2026-12-07) with a segmentation fault in
-    JAX's persistent-cache write of an XLA:CPU executable, with the pin on; the pin is the suspect."""
-    if jax.default_backend() != "gpu":
-        return w
+    layer loop (H100, 2026-12-07: 46 us a step at two layers)."""
     return with_layout_constraint(w, Layout(major_to_minor=tuple(range(w.ndim))))
 
 
