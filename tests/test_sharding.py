@@ -169,7 +169,8 @@ def test_parameter_shard_shapes(models):
         ("moe_layers", "self_attn", "w_uk"): (nl, h // 2, c.kv_lora_rank, c.qk_nope_head_dim),
         ("moe_layers", "self_attn", "w_uv"): (nl, h // 2, c.v_head_dim, c.kv_lora_rank),
         ("moe_layers", "self_attn", "o_proj", "weight"): (nl, d, h // 2 * c.v_head_dim),
-        ("moe_layers", "self_attn", "kv_a_proj_with_mqa", "weight"): (nl, c.latent_dim, d),  # replicated
+        # q_a and kv_a fused as the handle holds them (model/qkv_a.py): replicated
+        ("moe_layers", "self_attn", "qkv_a_proj", "weight"): (nl, c.q_lora_rank + c.latent_dim, d),
         ("dense_layers", "mlp", "gate_proj", "weight"): (c.n_dense_layers, c.intermediate_size // 2, d),
         ("moe_layers", "mlp", "shared_experts", "up_proj", "weight"): (nl, i * c.n_shared_experts // 2, d),
         ("embed_tokens", "embedding"): (c.vocab_size // 2, d),  # vocabulary-parallel
