@@ -162,3 +162,20 @@ def test_the_planner_counts_the_padding():
     split = _nbytes(kv_b.split_shapes(stored, cfg, jnp.bfloat16))
     got = plan.plan(cfg, sizes, dtype="fp8", device_memory="2000GB")
     assert got.weight_bytes_total == split + padding
+
+
+def test_a_float_fused_tree_quantized_runs_as_fp8():
+    """quantize_params over a handle's float tree (fused unpadded) gives an FP8 tree the model reads at its
+    stored width. Bound: e4m3 keeps 3 mantissa bits (relative rounding <= 2^-4 a weight, averaging out
+    over the sums), so FP8 logits stay within 10% of the largest float logit; a row of q_a read as kv_a
+    (or the reverse) moves them by O(1)."""
+    model, params = _init(CFG)
+    fused = qkv_a.fuse(params, CFG)
+    q = quantize_params(fused)
+    w = q[layout.MOE_LAYERS]["self_attn"][qkv_a.QKV_A]["weight"]
+    assert w.dtype == jnp.float8_e4m3fn and w.shape[-2] == CFG.q_lora_rank + CFG.latent_dim
+    toks = _tokens(CFG, 8)
+    ref = model.apply({"params": params}, toks)[0]
+    got = Transformer(CFG, fp8=True).apply({"params": q}, toks)[0]
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=0,
+                               atol=0.1 * float(jnp.max(jnp.abs(ref))))

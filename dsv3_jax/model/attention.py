@@ -74,7 +74,9 @@ class MLA(nn.Module):
             self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.rms_norm_eps, self.param_dtype)
             self.q_b_proj = Linear(c.q_lora_rank, h * c.qk_head_dim, **kw)
         if self.has_variable("params", qkv_a.QKV_A):  # q_a and kv_a fused at load (qkv_a.fuse)
-            self.qkv_a_proj = Linear(c.hidden_size, qkv_a.width(c, self.fp8), **kw)
+            # its rows as stored: a float tree fused unpadded and then quantized keeps its width
+            rows = self.get_variable("params", qkv_a.QKV_A)["weight"].shape[-2]
+            self.qkv_a_proj = Linear(c.hidden_size, rows, **kw)
         else:
             if c.q_lora_rank is not None:
                 self.q_a_proj = Linear(c.hidden_size, c.q_lora_rank, **kw)
