@@ -174,6 +174,7 @@ def _recording(calls: set):
 
 @functools.cache
 def _model(name: str):
+    from dsv3_jax.model import inference_form
     from dsv3_jax.model.trace_options import TraceOptions
     from dsv3_jax.model.transformer import Transformer
 
@@ -183,7 +184,8 @@ def _model(name: str):
     ref = model.clone(trace_options=TraceOptions(kernels="reference"))
     params = jax.eval_shape(lambda k: ref.init(k, jnp.zeros((1, 1), jnp.int32))["params"],
                             jax.random.key(0))
-    return cfg, model, params
+    # as a ModelHandle holds them (the fused q_a / kv_a is a GEMM shape of its own)
+    return cfg, model, inference_form.shapes(params, cfg, jnp.bfloat16)
 
 
 def model_kernel_calls(name: str, tokens: list[int], decode: bool = True) -> set:
