@@ -179,3 +179,26 @@ def test_a_float_fused_tree_quantized_runs_as_fp8():
     got = Transformer(CFG, fp8=True).apply({"params": q}, toks)[0]
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=0,
                                atol=0.1 * float(jnp.max(jnp.abs(ref))))
+
+
+def test_the_fused_fp8_linear_in_the_kernel_gives_both_outputs():
+    """The Pallas FP8 GEMM (interpreted here) over the fused, padded weight gives q_a's and kv_a's outputs
+    as the reference gives them from the two linears. Bound: both accumulate the same e4m3 products in
+    fp32 per 128-wide K block and round the output to bf16 once; the kernel may split K differently at
+    a different N (fp32 partial sums added in another order, ~1e-7 relative), so the outputs agree to
+    one bf16 rounding step (2^-8 relative) of the largest output."""
+    from pallas_kernels import fp8_reference
+
+    _, params = _init(FP8_CFG, fp8=True)
+    attn = params[layout.MOE_LAYERS]["self_attn"]
+    fused = qkv_a.fuse(params, FP8_CFG)[layout.MOE_LAYERS]["self_attn"][qkv_a.QKV_A]
+    x = jax.random.normal(jax.random.key(2), (3, FP8_CFG.hidden_size), jnp.bfloat16)
+    got = fp8_gemm.fp8_linear(x, fused["weight"][0], fused["scale"][0], interpret=True)
+    q_out, kv_out = qkv_a.split_output(got, FP8_CFG)
+    for out, name in ((q_out, qkv_a.Q_A), (kv_out, qkv_a.KV_A)):
+        ref = fp8_reference.fp8_linear_reference(x, attn[name]["weight"][0], attn[name]["scale"][0],
+                                                 out_dtype=jnp.bfloat16)
+        ref32 = np.asarray(ref.astype(jnp.float32))
+        np.testing.assert_allclose(np.asarray(out.astype(jnp.float32)), ref32, rtol=0,
+                                   atol=2.0 ** -8 * float(np.abs(ref32).max()))
+    assert not np.asarray(got[:, FP8_CFG.q_lora_rank + FP8_CFG.latent_dim:].astype(jnp.float32)).any()
