@@ -120,10 +120,14 @@ def fuse_shapes(tree: Any, cfg: ModelConfig) -> Any:
 
 
 def _first_q_a(tree: Any) -> dict:
-    """The first q_a_proj linear in `tree` ({} when there is none): whether the weights are FP8."""
-    found: list[dict] = []
-    layout.replace_in_attention(tree, (Q_A,), lambda path, d: found.append(d[Q_A]) or d)
-    return found[0] if found else {}
+    """The first q_a_proj linear under a self_attn dict of `tree` ({} when there is none): it tells
+    whether the weights are FP8."""
+    if not isinstance(tree, dict):
+        return {}
+    attn = tree.get(layout.ATTENTION)
+    if isinstance(attn, dict) and Q_A in attn:
+        return attn[Q_A]
+    return next((found for sub in tree.values() if (found := _first_q_a(sub))), {})
 
 
 @functools.cache
