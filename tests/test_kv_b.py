@@ -113,7 +113,5 @@ def test_the_planner_counts_the_split_form():
     fp8_kv_b = layers * (h * (dn + dv) * r + (h * (dn + dv) // 128) * (r // 128) * 4)
     split_kv_b = layers * h * r * (dn + dv) * 2  # bf16
     # the inference form's other transform, q_a and kv_a fused, is counted by test_qkv_a.py
-    fused = qkv_a.fuse_shapes(checkpoint_tree, cfg)
-    fused_bytes = sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize
-                      for x in jax.tree.leaves(fused, is_leaf=layout.is_info))
+    fused_bytes = layout.tree_nbytes(qkv_a.fuse_shapes(checkpoint_tree, cfg))
     assert got.weight_bytes_total == fused_bytes - fp8_kv_b + split_kv_b

@@ -43,11 +43,6 @@ def _tokens(cfg: ModelConfig, t: int = 24) -> jax.Array:
     return jnp.asarray(np.random.default_rng(1).integers(0, cfg.vocab_size, (2, t)), jnp.int32)
 
 
-def _nbytes(tree) -> int:
-    return sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize
-               for x in jax.tree.leaves(tree, is_leaf=layout.is_info))
-
-
 def _close(got, ref) -> None:
     scale = float(jnp.max(jnp.abs(ref)))
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=0, atol=1e-5 * scale)
@@ -159,7 +154,7 @@ def test_the_planner_counts_the_padding():
     k_blocks = -(-cfg.hidden_size // 128)
     extra_blocks = qkv_a.width(cfg, True) // 128 - (cfg.q_lora_rank // 128 + -(-cfg.latent_dim // 128))
     padding = layers * (pad_rows * cfg.hidden_size + extra_blocks * k_blocks * 4)
-    split = _nbytes(kv_b.split_shapes(stored, cfg, jnp.bfloat16))
+    split = layout.tree_nbytes(kv_b.split_shapes(stored, cfg, jnp.bfloat16))
     got = plan.plan(cfg, sizes, dtype="fp8", device_memory="2000GB")
     assert got.weight_bytes_total == split + padding
 

@@ -168,7 +168,9 @@ def structs(tree: Any, shardings: Any = None) -> Any:
 
 
 def tree_nbytes(tree: Any) -> int:
-    return sum(i.nbytes for i in jax.tree.leaves(tree, is_leaf=is_info))
+    """Bytes of a tree of ArrayInfo, ShapeDtypeStruct or array leaves."""
+    leaves = jax.tree.leaves(tree, is_leaf=is_info)
+    return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in leaves)
 
 
 # --------------------------------------------------------------------------- lookup by leaf name
