@@ -1,5 +1,6 @@
 """Shared pytest setup: CPU by default, GPU tests skipped (with the reason) when no GPU is present."""
 
+import gc
 import os
 import tempfile
 
@@ -13,12 +14,39 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 # This pytest process never writes JAX's persistent cache (no compile is that slow); the subprocesses the
-# tests start inherit DSV3_JAX_CACHE_DIR and share it as before. Why: three CI runs of the kv_b inference
-# form (2026-12-07) died with a segmentation fault in XLA:CPU's executable serialization, inside JAX's
-# cache write (`compilation_cache.put_executable_and_time`), at the same mesh-forward compile of
-# test_sharding after ~740 tests; never when that test ran alone. In one process JAX's in-memory caches
+# tests start inherit DSV3_JAX_CACHE_DIR and share it as before. In one process JAX's in-memory caches
 # already reuse programs; the engine's own program store (test_engine_step) still serializes.
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 1e9)
+
+# Every XLA:CPU executable JAX keeps maps ~3 memory regions for its code (measured), and JAX keeps every
+# program it compiled. One process running the whole suite compiles thousands of distinct programs; the
+# kernel's limit is vm.max_map_count (65,530 by default), and XLA:CPU segfaults instead of failing cleanly
+# when a map is refused. Four CI runs of the kv_b inference form (2026-12-07), which compiles a few more
+# programs per model handle, died so in test_sharding after ~700 tests, in a compile or in a cache write;
+# never when that file ran alone. So each test module's compiled programs are dropped when it ends, and
+# the summary reports the most maps seen.
+_MAPS = {"peak": 0}
+
+
+def _memory_maps() -> int:
+    try:
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+    except OSError:  # not Linux
+        return 0
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    yield
+    _MAPS["peak"] = max(_MAPS["peak"], _memory_maps())
+    jax.clear_caches()
+    gc.collect()
+
+
+def pytest_terminal_summary(terminalreporter):
+    terminalreporter.write_line(f"memory maps: at most {_MAPS['peak']} at a module's end (the kernel allows "
+                                "vm.max_map_count, 65,530 by default)")
 
 
 def _has_gpu() -> bool:
