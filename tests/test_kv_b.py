@@ -18,27 +18,14 @@ import pytest
 from dsv3_jax import plan
 from dsv3_jax.api import ModelHandle
 from dsv3_jax.config import ModelConfig
-from dsv3_jax.formats.quantize import quantize_params
 from dsv3_jax.model import kv_b, layout, qkv_a
 from dsv3_jax.model.transformer import Transformer
 from dsv3_jax.parallel import sharding
+from tests import tiny_models
 
-CFG = ModelConfig.preset("tiny")
-FP8_CFG = CFG.replace(vocab_size=1000, hidden_size=256, intermediate_size=384, moe_intermediate_size=160,
-                      q_lora_rank=192, kv_lora_rank=256)
-
-
-def _init(cfg: ModelConfig, fp8: bool = False) -> tuple[Transformer, dict]:
-    model = Transformer(cfg)
-    params = jax.jit(lambda k: model.init(k, jnp.zeros((1, 1), jnp.int32), method=model.init_all))(
-        jax.random.key(0))["params"]
-    if fp8:
-        return Transformer(cfg, fp8=True), quantize_params(params)
-    return model, params
-
-
-def _tokens(cfg: ModelConfig, t: int = 24) -> jax.Array:
-    return jnp.asarray(np.random.default_rng(1).integers(0, cfg.vocab_size, (2, t)), jnp.int32)
+CFG = tiny_models.CFG
+FP8_CFG = tiny_models.FP8_BASE.replace(q_lora_rank=192)
+_init, _tokens = tiny_models.init, tiny_models.tokens
 
 
 @pytest.mark.parametrize("fp8", [False, True])

@@ -23,24 +23,12 @@ from dsv3_jax.model import inference_form, kv_b, layout, qkv_a
 from dsv3_jax.model.transformer import Transformer
 from dsv3_jax.parallel import sharding
 from pallas_kernels import fp8_gemm
+from tests import tiny_models
 
-CFG = ModelConfig.preset("tiny")
+CFG = tiny_models.CFG
 # q_lora_rank a whole number of 128-row scale blocks (as DeepSeek-V3's 1536), latent 256 + rope
-FP8_CFG = CFG.replace(vocab_size=1000, hidden_size=256, intermediate_size=384, moe_intermediate_size=160,
-                      q_lora_rank=256, kv_lora_rank=256)
-
-
-def _init(cfg: ModelConfig, fp8: bool = False) -> tuple[Transformer, dict]:
-    model = Transformer(cfg)
-    params = jax.jit(lambda k: model.init(k, jnp.zeros((1, 1), jnp.int32), method=model.init_all))(
-        jax.random.key(0))["params"]
-    if fp8:
-        return Transformer(cfg, fp8=True), quantize_params(params)
-    return model, params
-
-
-def _tokens(cfg: ModelConfig, t: int = 24) -> jax.Array:
-    return jnp.asarray(np.random.default_rng(1).integers(0, cfg.vocab_size, (2, t)), jnp.int32)
+FP8_CFG = tiny_models.FP8_BASE.replace(q_lora_rank=256)
+_init, _tokens = tiny_models.init, tiny_models.tokens
 
 
 def _close(got, ref) -> None:
