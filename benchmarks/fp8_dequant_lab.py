@@ -30,8 +30,8 @@ if "--tiny" in sys.argv:  # see kv_fp8_gpu: the GPU interpreter deadlocks on a s
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 from jax import lax  # noqa: E402
 from jax.experimental import pallas as pl  # noqa: E402
 from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: E402

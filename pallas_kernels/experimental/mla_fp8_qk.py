@@ -21,8 +21,9 @@ dequantization it still takes 1.45x the bf16 kernel. Here the scores never read 
 - The semantics differ from the product kernel by Q's rounding to e4m3 (per 128-block scale): the CPU
   tests hold the kernel to the fp32 reference on the dequantized Q8 and pages (the same bound).
 
-Shared memory (bytes; `q_split` adds a second Q8 part, 32,768): Q8 32,768 + Q rope 8,192 + Q scales 1,024 + 2 x (e4m3 page 32,768 + scales 1,024 +
-rope 8,192) + bf16 V 65,536 + lse 256 + reduction scratch 1,024 = 192,768 (`smem_bytes()`).
+Shared memory (bytes): Q8 32,768 + Q rope 8,192 + Q scales 1,024 + 2 x (e4m3 page 32,768 + scales 1,024
++ rope 8,192) + bf16 V 65,536 + lse 256 + reduction scratch 1,024 = 192,768 (`smem_bytes()`); `q_split`
+adds a second Q8 part (32,768).
 """
 
 import functools
@@ -47,7 +48,6 @@ from pallas_kernels.mla_common import (
 )
 from pallas_kernels.mla_decode import (
     BLOCK_ROWS,
-    HALF,
     NUM_SLOTS,
     REDUCTION_SCRATCH_BYTES,
     SplitPlan,
@@ -120,7 +120,8 @@ def _scratch(interpret: bool, q_parts: int = 1) -> dict:
 
 def smem_bytes(interpret: bool = False, q_parts: int = 1) -> int:
     """Bytes of shared-memory buffers (barriers excluded) plus Mosaic's reduction scratch."""
-    bufs = [v for v in _scratch(interpret, q_parts).values() if v is not None and not isinstance(v, plgpu.Barrier)]
+    bufs = [v for v in _scratch(interpret, q_parts).values()
+            if v is not None and not isinstance(v, plgpu.Barrier)]
     return REDUCTION_SCRATCH_BYTES + sum(jnp.dtype(v.dtype).itemsize * math.prod(v.shape) for v in bufs)
 
 
@@ -338,7 +339,8 @@ def paged_mla_fp8qk_attention(
     plan: SplitPlan | None = None,
     q_split: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
-    """`mla_decode_fp8.paged_mla_fp8_attention` through this kernel: out [B, Q, H, 512] bf16, lse [B, Q, H]."""
+    """`mla_decode_fp8.paged_mla_fp8_attention` through this kernel: out [B, Q, H, 512] bf16, lse
+    [B, Q, H]."""
     interpret = resolve_interpret(interpret)
     check_kernel_args(q_latent, q_rope, kv_pages, block_table, fp8_pages=True, q_start=q_start,
                       kv_len=kv_len)
