@@ -205,9 +205,10 @@ def _kernel(
         q_scales = [plgpu.load(qs_smem.at[j], layout=_ROW_LAYOUT) * scale2 for j in range(NUM_BLOCKS)]
         own = range(half * BLOCKS_PER_HALF, (half + 1) * BLOCKS_PER_HALF)
         shape = (BLOCK_ROWS, PAGE_SIZE)
-        rows = row0 + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
+        # The causal limit per row, kept as a row vector (2 registers a thread, not a [64, 64] tile: the
+        # consumer's registers go to the two output accumulators and the scores).
+        rows = row0 + plgpu.broadcasted_iota(jnp.int32, (BLOCK_ROWS,), 0, layout=_ROW_LAYOUT)
         limit = jnp.minimum(q_start + 1 + rows // num_heads, kv_len)
-        cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
         p_stage = p_smem.at[half] if interpret else None
 
         def scores(lat, sc, rope):
@@ -243,8 +244,9 @@ def _kernel(
             v_scales = [plgpu.load(sc.at[j], layout=_COL_LAYOUT) for j in own]
             plgpu.commit_smem()  # the converted V visible to the async proxy (this consumer's P V)
             plgpu.barrier_arrive(consumed_bars.at[slot])  # the slot is read: scores done, V converted
+            cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
             pos = (blk_lo + i) * PAGE_SIZE + cols
-            s = jnp.where(pos < limit, s, -jnp.inf)
+            s = jnp.where(pos < lax.broadcast_in_dim(limit, shape, [0]), s, -jnp.inf)
             m_new = jnp.maximum(m_i, s.max(axis=1))
             alpha = jnp.exp2(m_i - m_new)
             p = jnp.exp2(s - lax.broadcast_in_dim(m_new, shape, [0]))
