@@ -9,6 +9,8 @@ engine, bf16 cache vs FP8 cache (tokens identical up to the first divergence, an
 
     PYTHONPATH=. python benchmarks/kv_fp8_quality.py --windows 16 --out benchmarks/results/kv_fp8_quality_cpu.json
     PYTHONPATH=. python benchmarks/kv_fp8_quality.py --gpu ...   # bf16 compute, the handle's kernels
+    ... --q-fp8 e4m3,split   # also the FP8 cache read with Q rounded as pallas_kernels.experimental.mla_fp8_qk
+                             # rounds it (CPU: the reference on the rounded queries; GPU: that kernel)
 
 The held-out split is train.py's file-level split of the installed standard library, tokenized as the
 training corpus is (tests/test_default_model.py uses the same); windows are 512 tokens (the training
@@ -88,6 +90,36 @@ def pow2_kv_scales():
         mla_common.quantize_kv = real
 
 
+@contextlib.contextmanager
+def fp8_queries(variant: str, on_gpu: bool):
+    """For one measurement, the FP8 cache read with Q in e4m3 (`variant` "e4m3") or as two e4m3 parts
+    ("split"), as the experimental FP8-Q K^T kernel takes it: on the GPU that kernel replaces the product's
+    FP8-page kernel; off it the reference attention gets the queries that kernel would see. Looked up when the
+    step is traced, as `pow2_kv_scales`."""
+    from dsv3_jax.model import kernel_dispatch
+    from pallas_kernels import mla_decode_fp8
+    from pallas_kernels.experimental import mla_fp8_qk
+    from pallas_kernels.mla_common import is_fp8_cache
+
+    split = {"e4m3": False, "split": True}[variant]
+    real_attention, real_run = kernel_dispatch.mla_attention, mla_decode_fp8.run_fp8_items
+
+    def rounded_queries(q_latent, q_rope, kv_pages, *args, **kw):
+        if is_fp8_cache(kv_pages):
+            ql, qr = mla_fp8_qk.dequantized_queries(q_latent, q_rope, split)
+            q_latent, q_rope = ql.astype(q_latent.dtype), qr.astype(q_rope.dtype)
+        return real_attention(q_latent, q_rope, kv_pages, *args, **kw)
+
+    if on_gpu:
+        mla_decode_fp8.run_fp8_items = functools.partial(mla_fp8_qk.run_fp8qk_items, q_split=split)
+    else:
+        kernel_dispatch.mla_attention = rounded_queries
+    try:
+        yield
+    finally:
+        kernel_dispatch.mla_attention, mla_decode_fp8.run_fp8_items = real_attention, real_run
+
+
 def perplexity(handle, wins: np.ndarray, cache_dtype, batch: int) -> tuple[float, np.ndarray]:
     f = ce_fn(handle, cache_dtype)
     ce = np.concatenate([np.asarray(f(handle.params, jnp.asarray(wins[i:i + batch])))
@@ -114,6 +146,9 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--gpu", action="store_true", help="bf16 compute, the handle's kernels (default: fp32 "
                                                         "compute, jnp reference: the CPU reference)")
+    ap.add_argument("--q-fp8", default="", help="comma list of e4m3, split: extra FP8-cache rows with Q "
+                                                 "rounded as the experimental FP8 Q K^T kernel rounds it")
+    ap.add_argument("--skip-greedy", action="store_true")
     ap.add_argument("--out", type=Path, default=Path("kv_fp8_quality.json"))
     a = ap.parse_args()
 
@@ -125,10 +160,18 @@ def main() -> None:
     caches = [(f"{dtype} (compute dtype)", jnp.dtype(dtype))] if dtype != "bfloat16" else []
     caches += [("bf16", jnp.dtype(jnp.bfloat16)), ("fp8 (e4m3 latent, fp32 scales / 128, bf16 rope)", layout.FP8),
                (UE8M0_ROW, layout.FP8)]
+    q_rows = {f"fp8, Q {v} (experimental FP8 Q K^T)": v for v in filter(None, a.q_fp8.split(","))}
+    caches += [(name, layout.FP8) for name in q_rows]
     ces = {}
     for name, cdt in caches:
         t0 = time.perf_counter()
-        with pow2_kv_scales() if name == UE8M0_ROW else contextlib.nullcontext():
+        if name == UE8M0_ROW:
+            ctx = pow2_kv_scales()
+        elif name in q_rows:
+            ctx = fp8_queries(q_rows[name], a.gpu)
+        else:
+            ctx = contextlib.nullcontext()
+        with ctx:
             p, ce = perplexity(h, wins, cdt, a.batch)
         ces[name] = ce
         rows.append({"cache": name, "ppl": p, "tokens": int(ce.size), "seconds": time.perf_counter() - t0,
@@ -139,16 +182,18 @@ def main() -> None:
     for r in rows:
         r["vs_bf16"] = r["ppl"] / base - 1
     # Greedy continuations of held-out prompts (the engine, bf16 vs fp8 cache).
-    starts = np.arange(a.prompts) * ((len(stream) - a.prompt_len) // a.prompts) + 7
-    prompts = [stream[s:s + a.prompt_len].tolist() for s in starts]
-    g16 = greedy(h, prompts, a.new_tokens, "bf16")
-    g8 = greedy(h, prompts, a.new_tokens, "fp8")
-    same = sum(x == y for x, y in zip(g16, g8, strict=True))
-    prefix = [next((i for i, (u, v) in enumerate(zip(x, y, strict=True)) if u != v), len(x))
-              for x, y in zip(g16, g8, strict=True)]
-    agree = float(np.mean([np.mean(np.asarray(x) == np.asarray(y)) for x, y in zip(g16, g8, strict=True)]))
-    greedy_row = {"prompts": a.prompts, "new_tokens": a.new_tokens, "identical": same,
-                  "first_divergence": prefix, "position_agreement": agree}
+    greedy_row = None
+    if not a.skip_greedy:
+        starts = np.arange(a.prompts) * ((len(stream) - a.prompt_len) // a.prompts) + 7
+        prompts = [stream[s:s + a.prompt_len].tolist() for s in starts]
+        g16 = greedy(h, prompts, a.new_tokens, "bf16")
+        g8 = greedy(h, prompts, a.new_tokens, "fp8")
+        same = sum(x == y for x, y in zip(g16, g8, strict=True))
+        prefix = [next((i for i, (u, v) in enumerate(zip(x, y, strict=True)) if u != v), len(x))
+                  for x, y in zip(g16, g8, strict=True)]
+        agree = float(np.mean([np.mean(np.asarray(x) == np.asarray(y)) for x, y in zip(g16, g8, strict=True)]))
+        greedy_row = {"prompts": a.prompts, "new_tokens": a.new_tokens, "identical": same,
+                      "first_divergence": prefix, "position_agreement": agree}
     out = {"date": datetime.date.today().isoformat(), "device": jax.devices()[0].device_kind,
            "host": platform.node(), "compute_dtype": dtype, "windows": int(len(wins)), "window": WINDOW,
            "rows": rows, "greedy": greedy_row, "command": " ".join(sys.argv)}
@@ -158,8 +203,10 @@ def main() -> None:
     print(f"{'KV cache':<52} {'B/token/layer':>13} {'perplexity':>10} {'vs bf16':>8}")
     for r in rows:
         print(f"{r['cache']:<52} {r['bytes_per_token_per_layer']:>13} {r['ppl']:>10.4f} {100 * r['vs_bf16']:>+7.3f}%")
-    print(f"greedy, {a.prompts} held-out prompts x {a.new_tokens} tokens: {same} identical, first divergence "
-          f"{prefix}, position agreement {agree:.3f}")
+    if greedy_row:
+        print(f"greedy, {a.prompts} held-out prompts x {a.new_tokens} tokens: {greedy_row['identical']} "
+              f"identical, first divergence {greedy_row['first_divergence']}, position agreement "
+              f"{greedy_row['position_agreement']:.3f}")
 
 
 if __name__ == "__main__":
