@@ -111,6 +111,7 @@ def main(argv: list[str] | None = None) -> dict:
     checks = kv_fp8_gpu.TINY_CHECKS if args.tiny else [(16, 32, 4096), (128, 32, 32768), (128, 1, 4096)]
     timings = kv_fp8_gpu.TINY_TIMINGS if args.tiny else kv_fp8_gpu.TIMINGS[:3]
     res: dict = dict(device=str(jax.devices()[0].device_kind), variants={})
+    out = args.out or (os.path.join(os.environ["OUT"], "fp8_dequant_lab.json") if os.environ.get("OUT") else None)
     for name in args.variants.split(","):
         fp8k._dequantize_half = VARIANTS.get(name, VARIANTS["current"])
         fp8k.run_fp8_items = KERNELS.get(name, PRODUCT_RUN)
@@ -123,10 +124,9 @@ def main(argv: list[str] | None = None) -> dict:
         if not (args.tiny and name not in CORRECT and name not in KERNELS):
             entry["timings"] = [kv_fp8_gpu.timing(*t, args.tiny) for t in timings]
         res["variants"][name] = entry
-        print(name, json.dumps(entry)[:400], flush=True)
-    out = args.out or (os.path.join(os.environ["OUT"], "fp8_dequant_lab.json") if os.environ.get("OUT") else None)
-    if out:
-        Path(out).write_text(json.dumps(res, indent=1))
+        print(name, json.dumps(entry), flush=True)
+        if out:  # after each variant: a run cut short keeps what it measured
+            Path(out).write_text(json.dumps(res, indent=1))
     print(f"\n{'variant':>8} | " + " | ".join(f"H={h} B={b} S={s} ms (TF/s)" for h, b, s in timings))
     for name, e in res["variants"].items():
         if "timings" in e:
