@@ -106,10 +106,13 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--variants", default="current,8bit,noscale,8bit_noscale,skip")
     p.add_argument("--tiny", action="store_true")
+    p.add_argument("--quick", action="store_true", help="GPU: one check, the H=128 and H=16 goal cells")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     checks = kv_fp8_gpu.TINY_CHECKS if args.tiny else [(16, 32, 4096), (128, 32, 32768), (128, 1, 4096)]
     timings = kv_fp8_gpu.TINY_TIMINGS if args.tiny else kv_fp8_gpu.TIMINGS[:3]
+    if args.quick:  # one check and the two goal cells: a short device call
+        checks, timings = checks[-1:], [kv_fp8_gpu.TIMINGS[1], kv_fp8_gpu.TIMINGS[0]]
     res: dict = dict(device=str(jax.devices()[0].device_kind), variants={})
     out = args.out or (os.path.join(os.environ["OUT"], "fp8_dequant_lab.json") if os.environ.get("OUT") else None)
     for name in args.variants.split(","):
