@@ -85,10 +85,10 @@ HALF = LATENT_DIM // 2  # output columns per consumer warpgroup
 HALF_PAGE = PAGE_SIZE // 2  # keys each consumer scores per page
 NUM_SLOTS = 2  # pipeline depth: 72 KiB Q + 2 x 72 KiB pages fills the 227 KiB of shared memory
 DEFAULT_NUM_SMS = 132  # H100/H200 SXM
-_LOG2E = math.log2(math.e)
-_LN2 = math.log(2.0)
-_M_INIT = -1e30  # finite so that rows with nothing to attend to in a split give 0, not NaN
-_ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a wgmma tile
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+M_INIT = -1e30  # finite so that rows with nothing to attend to in a split give 0, not NaN
+ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a wgmma tile
 # The row reductions stay inside a warp (wgmma layout, axis 1), so Mosaic's cross-warp reduction scratch
 # (default 2 KiB, reserved whether used or not) is cut to 1 KiB: the room for the exchange buffers.
 REDUCTION_SCRATCH_BYTES = 1024
@@ -304,9 +304,10 @@ def _masked_scores(q_smem, k_smem, slot, key0: int, nkeys: int, page_pos0, limit
     return jnp.where(pos < limit, s * scale2, -jnp.inf)
 
 
-def _pv(acc, p16, v, p_stage, interpret: bool):
+def pv_accumulate(acc, p16, v, p_stage, interpret: bool):
     """acc + P V for P [64, 64] in registers (wgmma A from registers); the interpreter takes A only from
-    shared memory, so there P goes through `p_stage` first (see the module docstring)."""
+    shared memory, so there P goes through `p_stage` first (see the module docstring). Shared by the MLA
+    kernels (`mla_decode_fp8`, the experimental variants), as the constants above are."""
     if interpret:
         p_stage[...] = p16
         plgpu.commit_smem()
@@ -368,7 +369,7 @@ def _kernel(
     def consumer(half: int):
         plgpu.set_max_registers(232, action="increase")
         plgpu.barrier_wait(q_bar.at[0])
-        scale2 = softmax_scale * _LOG2E
+        scale2 = softmax_scale * LOG2E
         other = 1 - half
 
         rows = row0 + plgpu.broadcasted_iota(jnp.int32, (BLOCK_ROWS, HALF_PAGE), 0, layout=plgpu.Layout.WGMMA)
@@ -389,7 +390,7 @@ def _kernel(
             mx_smem.at[half][...] = m_own
             plgpu.barrier_arrive(m_bar)
             plgpu.barrier_wait(m_bar)
-            m_new = jnp.maximum(m_own, plgpu.load(mx_smem.at[other], layout=_ROW_LAYOUT))
+            m_new = jnp.maximum(m_own, plgpu.load(mx_smem.at[other], layout=ROW_LAYOUT))
             alpha = jnp.exp2(m_i - m_new)
             p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
             l_i = l_i * alpha + p.sum(axis=1)
@@ -401,13 +402,13 @@ def _kernel(
             p_other = plgpu.load(px_smem.at[other], layout=plgpu.Layout.WGMMA)
             # P V on this consumer's half of V with the full P [64, 64] made of the two consumers' halves.
             p_full = jnp.concatenate([p16, p_other] if half == 0 else [p_other, p16], axis=1)
-            acc = _pv(acc, p_full, k_smem.at[slot, :, pl.ds(half * HALF, HALF)], p_stage, interpret)
+            acc = pv_accumulate(acc, p_full, k_smem.at[slot, :, pl.ds(half * HALF, HALF)], p_stage, interpret)
             plgpu.barrier_arrive(consumed_bars.at[slot])
             return acc, m_new, l_i
 
         acc = plgpu.layout_cast(jnp.zeros((BLOCK_ROWS, HALF), jnp.float32), plgpu.Layout.WGMMA)
-        m_i = plgpu.layout_cast(jnp.full((BLOCK_ROWS,), _M_INIT, jnp.float32), _ROW_LAYOUT)
-        l_i = plgpu.layout_cast(jnp.zeros((BLOCK_ROWS,), jnp.float32), _ROW_LAYOUT)
+        m_i = plgpu.layout_cast(jnp.full((BLOCK_ROWS,), M_INIT, jnp.float32), ROW_LAYOUT)
+        l_i = plgpu.layout_cast(jnp.zeros((BLOCK_ROWS,), jnp.float32), ROW_LAYOUT)
         acc, m_i, l_i = lax.fori_loop(0, n_steps, step, (acc, m_i, l_i))
 
         # The row sum is the two consumers' halves; they meet at done_bar anyway.
@@ -415,7 +416,7 @@ def _kernel(
         # Both consumers must be done reading the Q tile before it is reused to stage the output.
         plgpu.barrier_arrive(done_bar)
         plgpu.barrier_wait(done_bar)
-        l_i = l_i + plgpu.load(mx_smem.at[other], layout=_ROW_LAYOUT)
+        l_i = l_i + plgpu.load(mx_smem.at[other], layout=ROW_LAYOUT)
         # Consumer 0 stages the lse in row 1, which it has read already; consumer 1 now reads only row 0.
         lse_stage = mx_smem.at[1]
         empty = l_i == 0.0
@@ -424,7 +425,7 @@ def _kernel(
         out_smem = q_smem.at[:, pl.ds(half * HALF, HALF)]
         out_smem[...] = out.astype(q_smem.dtype)
         if half == 0:
-            lse_stage[...] = jnp.where(empty, -jnp.inf, (m_i + jnp.log2(l_safe)) * _LN2)
+            lse_stage[...] = jnp.where(empty, -jnp.inf, (m_i + jnp.log2(l_safe)) * LN2)
         plgpu.commit_smem()
 
         write_partials(q_smem, lse_stage, outs, item, num_base, row0, half)

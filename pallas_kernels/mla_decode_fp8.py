@@ -59,23 +59,22 @@ from pallas_kernels.mla_decode import (
     BLOCK_ROWS,
     HALF,
     HALF_PAGE,
+    LN2,
+    LOG2E,
+    M_INIT,
     NUM_SLOTS,
     REDUCTION_SCRATCH_BYTES,
+    ROW_LAYOUT,
     SplitPlan,
     attend_items,
     choose_num_splits,
     item_window,
+    pv_accumulate,
     query_tiles,
     work_items,
     write_partials,
 )
 
-# mla_decode's private constants and P V helper, restated (a module's `_name` is its own; making them public
-# there is mla_decode's change to make).
-_LOG2E = math.log2(math.e)
-_LN2 = math.log(2.0)
-_M_INIT = -1e30  # finite so that rows with nothing to attend to in a split give 0, not NaN
-_ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a wgmma tile
 NUM_BLOCKS = LATENT_DIM // FP8_BLOCK  # scales per token (4)
 BLOCKS_PER_HALF = NUM_BLOCKS // 2  # latent blocks each consumer dequantizes (and reads as V)
 
@@ -121,24 +120,9 @@ def _dequantize_half(lat, sc, kv, half: int) -> None:
     latent blocks 2 half, 2 half + 1 (lat [64, 512] e4m3, sc [4, 64] f32 of one ring slot)."""
     for j in range(half * BLOCKS_PER_HALF, (half + 1) * BLOCKS_PER_HALF):
         x = plgpu.load(lat.at[:, pl.ds(FP8_BLOCK * j, FP8_BLOCK)], layout=plgpu.Layout.WGMMA, optimized=False)
-        s = plgpu.load(sc.at[j], layout=_ROW_LAYOUT)
+        s = plgpu.load(sc.at[j], layout=ROW_LAYOUT)
         x = x.astype(jnp.float32) * lax.broadcast_in_dim(s, x.shape, [0])
         kv.at[:, pl.ds(FP8_BLOCK * j, FP8_BLOCK)][...] = x.astype(kv.dtype)
-
-
-def _pv(acc, p16, v, p_stage, interpret: bool):
-    """acc + P V, P [64, 64] from registers; the interpreter takes a wgmma A operand only from shared
-    memory, so there P goes through `p_stage` first (as mla_decode)."""
-    if interpret:
-        p_stage[...] = p16
-        plgpu.commit_smem()
-
-        def pv(o_ref):
-            plgpu.wgmma(o_ref, p_stage, v)
-            return o_ref[...]
-
-        return acc + pl.run_scoped(pv, plgpu.ACC(acc.shape, jnp.float32))
-    return pl.run_state(lambda o_ref: plgpu.wgmma(o_ref, p16, v))(plgpu.ACC.init(acc))
 
 
 def _kernel(
@@ -199,7 +183,7 @@ def _kernel(
     def consumer(half: int):
         plgpu.set_max_registers(232, action="increase")
         plgpu.barrier_wait(q_bar.at[0])
-        scale2 = softmax_scale * _LOG2E
+        scale2 = softmax_scale * LOG2E
         other = 1 - half
         key0 = half * HALF_PAGE
 
@@ -241,7 +225,7 @@ def _kernel(
             mx_smem.at[half][...] = m_own
             plgpu.barrier_arrive(m_bar)
             plgpu.barrier_wait(m_bar)
-            m_new = jnp.maximum(m_own, plgpu.load(mx_smem.at[other], layout=_ROW_LAYOUT))
+            m_new = jnp.maximum(m_own, plgpu.load(mx_smem.at[other], layout=ROW_LAYOUT))
             alpha = jnp.exp2(m_i - m_new)
             p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
             l_i = l_i * alpha + p.sum(axis=1)
@@ -252,26 +236,26 @@ def _kernel(
             plgpu.barrier_wait(p_bar)
             p_other = plgpu.load(px_smem.at[other], layout=plgpu.Layout.WGMMA)
             p_full = jnp.concatenate([p16, p_other] if half == 0 else [p_other, p16], axis=1)
-            acc = _pv(acc, p_full, kv_smem.at[:, pl.ds(half * HALF, HALF)], p_stage, interpret)
+            acc = pv_accumulate(acc, p_full, kv_smem.at[:, pl.ds(half * HALF, HALF)], p_stage, interpret)
             return acc, m_new, l_i
 
         acc = plgpu.layout_cast(jnp.zeros((BLOCK_ROWS, HALF), jnp.float32), plgpu.Layout.WGMMA)
-        m_i = plgpu.layout_cast(jnp.full((BLOCK_ROWS,), _M_INIT, jnp.float32), _ROW_LAYOUT)
-        l_i = plgpu.layout_cast(jnp.zeros((BLOCK_ROWS,), jnp.float32), _ROW_LAYOUT)
+        m_i = plgpu.layout_cast(jnp.full((BLOCK_ROWS,), M_INIT, jnp.float32), ROW_LAYOUT)
+        l_i = plgpu.layout_cast(jnp.zeros((BLOCK_ROWS,), jnp.float32), ROW_LAYOUT)
         acc, m_i, l_i = lax.fori_loop(0, n_steps, step, (acc, m_i, l_i))
 
         # Epilogue as mla_decode: add the two row-sum halves, stage the output in the Q tile.
         mx_smem.at[half][...] = l_i
         plgpu.barrier_arrive(done_bar)
         plgpu.barrier_wait(done_bar)
-        l_i = l_i + plgpu.load(mx_smem.at[other], layout=_ROW_LAYOUT)
+        l_i = l_i + plgpu.load(mx_smem.at[other], layout=ROW_LAYOUT)
         lse_stage = mx_smem.at[1]
         empty = l_i == 0.0
         l_safe = jnp.where(empty, 1.0, l_i)
         out = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
         q_smem.at[:, pl.ds(half * HALF, HALF)][...] = out.astype(q_smem.dtype)
         if half == 0:
-            lse_stage[...] = jnp.where(empty, -jnp.inf, (m_i + jnp.log2(l_safe)) * _LN2)
+            lse_stage[...] = jnp.where(empty, -jnp.inf, (m_i + jnp.log2(l_safe)) * LN2)
         plgpu.commit_smem()
         write_partials(q_smem, lse_stage, outs, item, num_base, row0, half)
         plgpu.wait_smem_to_gmem(0)

@@ -48,18 +48,19 @@ from pallas_kernels.mla_common import (
 )
 from pallas_kernels.mla_decode import (
     BLOCK_ROWS,
+    LN2,
+    LOG2E,
+    M_INIT,
     NUM_SLOTS,
     REDUCTION_SCRATCH_BYTES,
+    ROW_LAYOUT,
     SplitPlan,
     attend_items,
     item_window,
+    pv_accumulate,
     write_partials,
 )
 
-_LOG2E = math.log2(math.e)
-_LN2 = math.log(2.0)
-_M_INIT = -1e30  # finite so that rows with nothing to attend to in a split give 0, not NaN
-_ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a wgmma tile
 _COL_LAYOUT = plgpu.Layout.WGMMA.reduce(0)  # one value per column (key) of a wgmma tile
 NUM_BLOCKS = LATENT_DIM // FP8_BLOCK  # scale blocks per token (4)
 BLOCKS_PER_HALF = NUM_BLOCKS // 2  # V blocks (128 columns each) per consumer
@@ -137,17 +138,6 @@ def _convert_v_block(lat, kv, j: int) -> None:
     kv.at[:, cols][...] = x.astype(jnp.float32).astype(kv.dtype)
 
 
-def _pv(acc, p16, v, p_stage, interpret: bool):
-    """acc + P V, P [64, 64] from registers (through `p_stage` in the interpreter, which takes a wgmma A
-    operand only from shared memory)."""
-    if interpret:
-        p_stage[...] = p16
-        plgpu.commit_smem()
-        return acc + pl.run_scoped(functools.partial(_wgmma_ref, a=p_stage, b=v),
-                                   plgpu.ACC(acc.shape, jnp.float32))
-    return pl.run_state(lambda o_ref: plgpu.wgmma(o_ref, p16, v))(plgpu.ACC.init(acc))
-
-
 def _kernel(
     q8_ref, qs_ref, qr_ref, lat_ref, sc_ref, rope_ref, bt_ref, qstart_ref, kvlen_ref, items_ref,  # GMEM in
     *outs,  # GMEM out: out, lse of the first `num_base` items (and of the rest, when there are more)
@@ -200,14 +190,14 @@ def _kernel(
     def consumer(half: int):
         plgpu.set_max_registers(232, action="increase")
         plgpu.barrier_wait(q_bar.at[0])
-        scale2 = softmax_scale * _LOG2E
+        scale2 = softmax_scale * LOG2E
         # Q's block scales with the softmax scale (log2 domain) folded in: one [64] row vector per block.
-        q_scales = [plgpu.load(qs_smem.at[j], layout=_ROW_LAYOUT) * scale2 for j in range(NUM_BLOCKS)]
+        q_scales = [plgpu.load(qs_smem.at[j], layout=ROW_LAYOUT) * scale2 for j in range(NUM_BLOCKS)]
         own = range(half * BLOCKS_PER_HALF, (half + 1) * BLOCKS_PER_HALF)
         shape = (BLOCK_ROWS, PAGE_SIZE)
         # The causal limit per row, kept as a row vector (2 registers a thread, not a [64, 64] tile: the
         # consumer's registers go to the two output accumulators and the scores).
-        rows = row0 + plgpu.broadcasted_iota(jnp.int32, (BLOCK_ROWS,), 0, layout=_ROW_LAYOUT)
+        rows = row0 + plgpu.broadcasted_iota(jnp.int32, (BLOCK_ROWS,), 0, layout=ROW_LAYOUT)
         limit = jnp.minimum(q_start + 1 + rows // num_heads, kv_len)
         p_stage = p_smem.at[half] if interpret else None
 
@@ -255,12 +245,13 @@ def _kernel(
             for acc, j, vs in zip(accs, own, v_scales):
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                 p16 = (p * lax.broadcast_in_dim(vs, shape, [1])).astype(kv_smem.dtype)
-                out.append(_pv(acc, p16, kv_smem.at[:, pl.ds(FP8_BLOCK * j, FP8_BLOCK)], p_stage, interpret))
+                v = kv_smem.at[:, pl.ds(FP8_BLOCK * j, FP8_BLOCK)]
+                out.append(pv_accumulate(acc, p16, v, p_stage, interpret))
             return tuple(out), m_new, l_i
 
         zero = plgpu.layout_cast(jnp.zeros((BLOCK_ROWS, FP8_BLOCK), jnp.float32), plgpu.Layout.WGMMA)
-        m_i = plgpu.layout_cast(jnp.full((BLOCK_ROWS,), _M_INIT, jnp.float32), _ROW_LAYOUT)
-        l_i = plgpu.layout_cast(jnp.zeros((BLOCK_ROWS,), jnp.float32), _ROW_LAYOUT)
+        m_i = plgpu.layout_cast(jnp.full((BLOCK_ROWS,), M_INIT, jnp.float32), ROW_LAYOUT)
+        l_i = plgpu.layout_cast(jnp.zeros((BLOCK_ROWS,), jnp.float32), ROW_LAYOUT)
         accs, m_i, l_i = lax.fori_loop(0, n_steps, step, ((zero,) * BLOCKS_PER_HALF, m_i, l_i))
 
         # Both consumers hold the same m and l (each scored every key); each stages its own output half in
@@ -271,7 +262,7 @@ def _kernel(
             out = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
             kv_smem.at[:, pl.ds(FP8_BLOCK * j, FP8_BLOCK)][...] = out.astype(kv_smem.dtype)
         if half == 0:
-            lse_smem[...] = jnp.where(empty, -jnp.inf, (m_i + jnp.log2(l_safe)) * _LN2)
+            lse_smem[...] = jnp.where(empty, -jnp.inf, (m_i + jnp.log2(l_safe)) * LN2)
         plgpu.commit_smem()
         write_partials(kv_smem, lse_smem, outs, item, num_base, row0, half)
         plgpu.wait_smem_to_gmem(0)

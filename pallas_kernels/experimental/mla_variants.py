@@ -53,7 +53,6 @@ two-pass `mla_decode.merge_splits`; kept to time against it (`kernel_device_benc
 """
 
 import functools
-import math
 import numbers
 
 import jax
@@ -76,19 +75,20 @@ from pallas_kernels.mla_decode import (
     BLOCK_ROWS,
     HALF,
     HALF_PAGE,
+    LN2,
+    LOG2E,
+    M_INIT,
     NUM_SLOTS,
     REDUCTION_SCRATCH_BYTES,
+    ROW_LAYOUT,
     choose_num_splits,
     merge_splits,
+    pv_accumulate,
     query_tiles,
     split_partials,
 )
 from pallas_kernels.mla_decode import paged_mla_partials as product_partials
 
-_LOG2E = math.log2(math.e)
-_LN2 = math.log(2.0)
-_M_INIT = -1e30  # finite so that rows with nothing to attend to in a split give 0, not NaN
-_ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a wgmma tile
 PRODUCT_VARIANT = "v2"  # the design of pallas_kernels.mla_decode, which runs it
 KERNEL_VARIANTS = ("v1", "v2", "v3", "v8", "v9")  # see the module docstring
 SPLIT_QK_VARIANTS = ("v2", "v9")  # consumer c scores keys [32c, 32c + 32) of each page
@@ -104,7 +104,7 @@ def _masked_scores(q_smem, k_smem, slot, key0: int, nkeys: int, page_pos0, limit
     """Scaled log2-domain scores of the Q tile against keys key0 .. key0 + nkeys of the page in `slot`
     (wgmma N = nkeys), with positions at or past each row's `limit` [64, nkeys] set to -inf.
     `after_issue()` runs between issuing the wgmma and waiting for it (v8's schedule barrier). The lab's
-    copy of the product's `_masked_scores` (which has no `after_issue`), as `_pv` is of its `_pv`."""
+    copy of the product's `_masked_scores` (which has no `after_issue`)."""
     def qk(s_ref):
         plgpu.wgmma(s_ref, q_smem, k_smem.at[slot, pl.ds(key0, nkeys)].T)
         if after_issue is not None:
@@ -115,21 +115,6 @@ def _masked_scores(q_smem, k_smem, slot, key0: int, nkeys: int, page_pos0, limit
     cols = plgpu.broadcasted_iota(jnp.int32, (BLOCK_ROWS, nkeys), 1, layout=plgpu.Layout.WGMMA)
     pos = page_pos0 + key0 + cols
     return jnp.where(pos < limit, s * scale2, -jnp.inf)
-
-
-def _pv(acc, p16, v, p_stage, interpret: bool):
-    """acc + P V for P [64, 64] in registers (wgmma A from registers); the interpreter takes A only from
-    shared memory, so there P goes through `p_stage` first (`pallas_kernels.mla_decode`'s docstring)."""
-    if interpret:
-        p_stage[...] = p16
-        plgpu.commit_smem()
-
-        def pv(o_ref):
-            plgpu.wgmma(o_ref, p_stage, v)
-            return o_ref[...]
-
-        return acc + pl.run_scoped(pv, plgpu.ACC(acc.shape, jnp.float32))
-    return pl.run_state(lambda o_ref: plgpu.wgmma(o_ref, p16, v))(plgpu.ACC.init(acc))
 
 
 def _kernel(
@@ -184,7 +169,7 @@ def _kernel(
     def consumer(half: int):
         plgpu.set_max_registers(232, action="increase")
         plgpu.barrier_wait(q_bar.at[0])
-        scale2 = softmax_scale * _LOG2E
+        scale2 = softmax_scale * LOG2E
         other = 1 - half
 
         split_qk = variant in SPLIT_QK_VARIANTS
@@ -216,7 +201,7 @@ def _kernel(
             if pingpong:
                 schedule()
             v = k_smem.at[slot, :, pl.ds(half * HALF, HALF)]
-            acc = _pv(acc, p.astype(k_smem.dtype), v, p_stage, interpret)
+            acc = pv_accumulate(acc, p.astype(k_smem.dtype), v, p_stage, interpret)
             plgpu.barrier_arrive(consumed_bars.at[slot])
             return acc, m_new, l_i
 
@@ -235,7 +220,7 @@ def _kernel(
         def full_p_times_v(acc, mine, theirs, slot):
             """P V on this consumer's half of V with the full P [64, 64] made of the two consumers' halves."""
             p_full = jnp.concatenate([mine, theirs] if half == 0 else [theirs, mine], axis=1)
-            acc = _pv(acc, p_full, v_half(slot), p_stage, interpret)
+            acc = pv_accumulate(acc, p_full, v_half(slot), p_stage, interpret)
             plgpu.barrier_arrive(consumed_bars.at[slot])
             return acc
 
@@ -255,7 +240,7 @@ def _kernel(
             mx_smem.at[half][...] = m_own
             plgpu.barrier_arrive(p_bar)
             plgpu.barrier_wait(p_bar)
-            m_other = plgpu.load(mx_smem.at[other], layout=_ROW_LAYOUT)
+            m_other = plgpu.load(mx_smem.at[other], layout=ROW_LAYOUT)
             p_other = plgpu.load(px_smem.at[other], layout=plgpu.Layout.WGMMA)
             m_new = jnp.maximum(m_own, m_other)
 
@@ -287,12 +272,12 @@ def _kernel(
             slot = lax.rem(j, NUM_SLOTS)
             plgpu.barrier_wait(k_bars.at[slot])
             plgpu.barrier_wait(p_bar if half == 0 else m_bar)
-            m_other = plgpu.load(mx_smem.at[other], layout=_ROW_LAYOUT)
+            m_other = plgpu.load(mx_smem.at[other], layout=ROW_LAYOUT)
             p_other = plgpu.load(px_smem, layout=plgpu.Layout.WGMMA)
             alpha = jnp.exp2(m_i - m_other)
             l_i = l_i * alpha + p_other.astype(jnp.float32).sum(axis=1)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            acc = _pv(acc, p_other, v_half(slot), p_stage, interpret)
+            acc = pv_accumulate(acc, p_other, v_half(slot), p_stage, interpret)
             plgpu.barrier_arrive(consumed_bars.at[slot])
             return acc, m_other, l_i
 
@@ -314,13 +299,13 @@ def _kernel(
             publish(p16, m_new)
             l_i = l_i * alpha + p16.astype(jnp.float32).sum(axis=1)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            acc = _pv(acc, p16, v_half(slot), p_stage, interpret)
+            acc = pv_accumulate(acc, p16, v_half(slot), p_stage, interpret)
             plgpu.barrier_arrive(consumed_bars.at[slot])
             return acc, m_new, l_i
 
         acc = plgpu.layout_cast(jnp.zeros((BLOCK_ROWS, HALF), jnp.float32), plgpu.Layout.WGMMA)
-        m_i = plgpu.layout_cast(jnp.full((BLOCK_ROWS,), _M_INIT, jnp.float32), _ROW_LAYOUT)
-        l_i = plgpu.layout_cast(jnp.zeros((BLOCK_ROWS,), jnp.float32), _ROW_LAYOUT)
+        m_i = plgpu.layout_cast(jnp.full((BLOCK_ROWS,), M_INIT, jnp.float32), ROW_LAYOUT)
+        l_i = plgpu.layout_cast(jnp.zeros((BLOCK_ROWS,), jnp.float32), ROW_LAYOUT)
         if variant == "v3":
             carry = lax.fori_loop(0, (n_steps + 1 - half) // 2, turn_v3, (acc, m_i, l_i))
             # The last page, when the other consumer scored it, still needs this consumer's P V.
@@ -346,7 +331,7 @@ def _kernel(
         plgpu.barrier_arrive(done_bar)
         plgpu.barrier_wait(done_bar)
         if split_qk:
-            l_i = l_i + plgpu.load(mx_smem.at[other], layout=_ROW_LAYOUT)
+            l_i = l_i + plgpu.load(mx_smem.at[other], layout=ROW_LAYOUT)
             # Consumer 0 stages the lse in row 1, which it has read already; consumer 1 now reads only row 0.
             lse_stage = mx_smem.at[1]
         elif variant == "v3":  # nothing reads the maxima after done_bar
@@ -359,7 +344,7 @@ def _kernel(
         out_smem = q_smem.at[:, pl.ds(half * HALF, HALF)]
         out_smem[...] = out.astype(q_smem.dtype)
         if half == 0:
-            lse_stage[...] = jnp.where(empty, -jnp.inf, (m_i + jnp.log2(l_safe)) * _LN2)
+            lse_stage[...] = jnp.where(empty, -jnp.inf, (m_i + jnp.log2(l_safe)) * LN2)
         plgpu.commit_smem()
         # A column half of the tiled tile is not contiguous; each 8-row group of it is (8x64 tiles).
         for r in range(0, BLOCK_ROWS, 8):
