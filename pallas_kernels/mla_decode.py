@@ -1,7 +1,9 @@
 """Pallas Mosaic GPU kernel: absorbed MLA attention over a paged latent cache (decode, MTP verify).
 
 Owns `mla_decode` and the paged-attention kernel core that `mla_prefill.py` reuses, with the XLA ops
-around it (`query_tiles` before, `merge_splits` after). Semantics are those of `mla_reference.py` (read
+around it (`query_tiles` before, `merge_splits` after), and what the MLA kernels share: the work lists and
+split plans, the launch over them (`launch_items`), the partial writes, the merges, the softmax constants
+and the P V step (`pv_accumulate`). Semantics are those of `mla_reference.py` (read
 its docstring for the cache layout); widths, page size and argument checks come from `mla_common.py`.
 `interpret=None` follows `pallas_kernels.interpret.resolve_interpret` (the interpreter off a GPU).
 
@@ -60,6 +62,7 @@ in `pallas_kernels/experimental/mla_variants.py`: not used by the model.
 import functools
 import math
 import numbers
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -540,13 +543,23 @@ def run_items(q_latent: jax.Array, q_rope: jax.Array, kv_pages: jax.Array, block
         _kernel, num_base=num_base, num_heads=nh, num_queries=nq,
         softmax_scale=float(softmax_scale), interpret=bool(interpret),
     )
+    return launch_items(body, scratch, num_items, num_base, row_tiles, dtype, interpret)(
+        q, kv_pages, block_table.astype(jnp.int32), q_start.astype(jnp.int32), kv_len.astype(jnp.int32),
+        items.astype(jnp.int32))
 
+
+def launch_items(body: Callable[..., None], scratch: dict, num_items: int, num_base: int, row_tiles: int,
+                 dtype: jnp.dtype, interpret: bool) -> Callable[..., tuple[jax.Array, ...]]:
+    """The MLA kernels' launch, shared by this kernel and the FP8-page ones: a grid of (work item, row
+    tile) CTAs of three warpgroups, `body(*gmem_refs, **scratch_refs)` with the `scratch` buffers and
+    barriers (None entries are not allocated and reach `body` as None) allocated in dict order (it sets
+    the shared-memory layout), and the partial outputs as `run_items` returns them (out [I, R_pad, 512] in
+    `dtype`, lse [I, R_pad] f32; split in two pairs at `num_base`). Returns the callable on the inputs."""
     names = [k for k, v in scratch.items() if v is not None]
 
     def entry(*refs):
         def scoped(*allocs):
-            bufs = dict.fromkeys(scratch) | dict(zip(names, allocs))
-            body(*refs, **bufs)
+            body(*refs, **(dict.fromkeys(scratch) | dict(zip(names, allocs))))
 
         pl.run_scoped(scoped, *(scratch[k] for k in names), collective_axes="wg")
 
@@ -567,8 +580,7 @@ def run_items(q_latent: jax.Array, q_rope: jax.Array, kv_pages: jax.Array, block
             approx_math=True, reduction_scratch_bytes=REDUCTION_SCRATCH_BYTES),
         # Interpret mode fills outputs and scratch with NaN first, so an unwritten element shows up.
         interpret=plgpu.InterpretGPUParams(uninitialized_memory="nan") if interpret else None,
-    )(q, kv_pages, block_table.astype(jnp.int32), q_start.astype(jnp.int32), kv_len.astype(jnp.int32),
-      items.astype(jnp.int32))
+    )
 
 
 def _check_splits(num_splits) -> None:

@@ -57,6 +57,7 @@ from pallas_kernels.mla_decode import (
     SplitPlan,
     attend_items,
     item_window,
+    launch_items,
     pv_accumulate,
     write_partials,
 )
@@ -283,38 +284,14 @@ def run_fp8qk_items(q_latent: jax.Array, q_rope: jax.Array, kv_pages: Fp8Pages, 
     row_tiles = pl.cdiv(nq * nh, BLOCK_ROWS)
     q8 = quantize_queries(q_latent, q_rope, q_split)
     scratch = _scratch(bool(interpret), q8.latent.shape[1])
-    names = [k for k, v in scratch.items() if v is not None]
     body = functools.partial(
         _kernel, num_base=num_base, num_heads=nh, num_queries=nq,
         softmax_scale=float(softmax_scale), interpret=bool(interpret),
     )
-
-    def entry(*refs):
-        def scoped(*allocs):
-            body(*refs, **(dict.fromkeys(scratch) | dict(zip(names, allocs))))
-
-        pl.run_scoped(scoped, *(scratch[k] for k in names), collective_axes="wg")
-
-    rows = row_tiles * BLOCK_ROWS
-    dtype = jnp.bfloat16
-    out_type = [jax.ShapeDtypeStruct((num_base, rows, LATENT_DIM), dtype),
-                jax.ShapeDtypeStruct((num_base, rows), jnp.float32)]
-    if num_base < num_items:
-        out_type += [jax.ShapeDtypeStruct((num_items - num_base, rows, LATENT_DIM), dtype),
-                     jax.ShapeDtypeStruct((num_items - num_base, rows), jnp.float32)]
-    return plgpu.kernel(
-        entry,
-        out_type=tuple(out_type),
-        grid=(num_items, row_tiles),
-        grid_names=("i", "t"),
-        num_threads=3,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(
-            approx_math=True, reduction_scratch_bytes=REDUCTION_SCRATCH_BYTES),
-        interpret=plgpu.InterpretGPUParams(uninitialized_memory="nan") if interpret else None,
-    )(q8.latent, q8.scale, q8.rope, kv_pages.latent, kv_pages.scale, kv_pages.rope,
-      block_table.astype(jnp.int32), q_start.astype(jnp.int32), kv_len.astype(jnp.int32),
-      items.astype(jnp.int32))
+    return launch_items(body, scratch, num_items, num_base, row_tiles, jnp.bfloat16, interpret)(
+        q8.latent, q8.scale, q8.rope, kv_pages.latent, kv_pages.scale, kv_pages.rope,
+        block_table.astype(jnp.int32), q_start.astype(jnp.int32), kv_len.astype(jnp.int32),
+        items.astype(jnp.int32))
 
 
 def paged_mla_fp8qk_attention(
